@@ -1,0 +1,75 @@
+"""Pipeline schedules as data: the IR, generators, lowering and validation.
+
+Generators are looked up by name in :data:`SCHEDULES`; new ones register with
+:func:`register_schedule`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .gpipe import gpipe
+from .ir import Action, ActionKind, Schedule, ScheduleError, check_count
+from .lower import Comm, CommGroup, CommKind, Op, Payload, format_program, lower
+from .one_f_one_b import one_f_one_b
+from .validate import ValidationReport, peak_inflight, simulate, validate
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Comm",
+    "CommGroup",
+    "CommKind",
+    "Op",
+    "Payload",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleFn",
+    "ValidationReport",
+    "format_program",
+    "get_schedule",
+    "gpipe",
+    "lower",
+    "one_f_one_b",
+    "peak_inflight",
+    "register_schedule",
+    "simulate",
+    "validate",
+]
+
+ScheduleFn = Callable[..., Schedule]
+"""A generator: ``fn(num_stages, num_microbatches, **options) -> Schedule``."""
+
+SCHEDULES: dict[str, ScheduleFn] = {}
+"""Registered schedule generators by (lower-case) name."""
+
+
+def register_schedule(name: str) -> Callable[[ScheduleFn], ScheduleFn]:
+    """Decorator registering a generator under ``name`` so :func:`get_schedule` finds it."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"schedule name must be a non-empty string, got {name!r}")
+    key = name.lower()
+
+    def decorate(fn: ScheduleFn) -> ScheduleFn:
+        if SCHEDULES.get(key, fn) is not fn:
+            raise ValueError(f"schedule name {key!r} is already registered to {SCHEDULES[key]!r}")
+        SCHEDULES[key] = fn
+        return fn
+
+    return decorate
+
+
+def get_schedule(name: str, num_stages: int, num_microbatches: int, **kw: Any) -> Schedule:
+    """Generate the schedule registered as ``name`` (case-insensitive) for the given sizes."""
+    fn = SCHEDULES.get(name.lower()) if isinstance(name, str) else None
+    if fn is None:
+        valid = ", ".join(repr(n) for n in sorted(SCHEDULES))
+        raise ValueError(f"schedule={name!r} is not a known schedule; valid names: {valid}")
+    check_count("num_stages", num_stages)
+    check_count("num_microbatches", num_microbatches)
+    return fn(num_stages, num_microbatches, **kw)
+
+
+register_schedule("gpipe")(gpipe)
+register_schedule("1f1b")(one_f_one_b)

@@ -1,0 +1,326 @@
+"""The schedule intermediate representation: actions and per-stage action lists.
+
+A schedule is plain data. A generator produces it once; the same object is then
+validated, simulated, drawn and executed, and executors only interpret actions.
+
+Terminology:
+
+* *stage* -- a physical pipeline stage (one device / rank), ``0 .. num_stages-1``.
+* *chunk* -- one of the ``num_chunks`` model pieces a stage holds.
+* *virtual stage* -- the position of a chunk in model order,
+  ``0 .. num_stages*num_chunks-1``. ``placement[stage][chunk]`` gives it;
+  the default is round-robin (``chunk * num_stages + stage``), as used by
+  interleaved 1F1B. A V-shaped placement (stage r holds ``r`` and ``2p-1-r``)
+  is just another placement table.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from .validate import ValidationReport
+
+__all__ = [
+    "ActionKind",
+    "Action",
+    "Schedule",
+    "ScheduleError",
+    "F",
+    "B",
+    "W",
+    "check_count",
+    "round_robin_placement",
+]
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed, inconsistent or would deadlock."""
+
+
+class ActionKind(str, Enum):
+    """What a compute action does to one micro-batch on one chunk."""
+
+    FORWARD = "F"
+    """Forward pass."""
+    BACKWARD = "B"
+    """Backward pass: input and weight gradients, unless the schedule also has
+    a ``W`` for the same chunk and micro-batch (zero-bubble), in which case
+    ``B`` computes the input gradient only."""
+    WEIGHT = "W"
+    """Weight-gradient pass of zero-bubble schedules (not generated yet)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+F = ActionKind.FORWARD
+B = ActionKind.BACKWARD
+W = ActionKind.WEIGHT
+
+_ACTION_RE = re.compile(r"(\d+)([FBW])(\d+)(?:\.(\d+))?")
+_ACTION_FORM = "'<stage><F|B|W><micro-batch>[.<chunk>]', e.g. '0F3' or '1B2.1'"
+
+
+def check_count(name: str, value: object, minimum: int = 1) -> int:
+    """Return ``value`` if it is an int >= ``minimum``; raise naming ``name`` otherwise.
+
+    Shared argument check so every generator reports bad sizes the same way.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute step: ``kind`` of ``microbatch`` on ``chunk`` of physical ``stage``.
+
+    The compact string form is ``"0F3"`` (stage 0, forward, micro-batch 3), with
+    a ``".c"`` suffix when the chunk is not 0: ``"1F3.1"``.
+    """
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", ActionKind(self.kind))
+        except ValueError:
+            raise ValueError(
+                f"Action kind must be one of 'F', 'B', 'W', got {self.kind!r}"
+            ) from None
+        for name in ("stage", "microbatch", "chunk"):
+            check_count(f"Action.{name}", getattr(self, name), minimum=0)
+
+    def __str__(self) -> str:
+        suffix = f".{self.chunk}" if self.chunk else ""
+        return f"{self.stage}{self.kind.value}{self.microbatch}{suffix}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse the compact form produced by ``str(action)``."""
+        match = _ACTION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
+        if match is None:
+            raise ValueError(f"cannot parse action {text!r}: expected {_ACTION_FORM}")
+        stage, kind, microbatch, chunk = match.groups()
+        return cls(int(stage), ActionKind(kind), int(microbatch), int(chunk or 0))
+
+    def with_kind(self, kind: ActionKind) -> Action:
+        """The same stage, micro-batch and chunk with another kind."""
+        return Action(self.stage, kind, self.microbatch, self.chunk)
+
+
+def round_robin_placement(num_stages: int, num_chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Placement where stage ``d`` holds virtual stages ``d, d+p, d+2p, ...``."""
+    return tuple(
+        tuple(chunk * num_stages + stage for chunk in range(num_chunks))
+        for stage in range(num_stages)
+    )
+
+
+Placement = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: for each physical stage, its actions in execution order.
+
+    ``placement[stage][chunk]`` is the virtual stage (model-order index) of that
+    chunk; ``None`` means round-robin and is normalised to the explicit table.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    num_chunks: int = 1
+    placement: Placement | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        check_count("num_stages", self.num_stages)
+        check_count("num_microbatches", self.num_microbatches)
+        check_count("num_chunks", self.num_chunks)
+        rows = tuple(tuple(row) for row in self.actions)
+        object.__setattr__(self, "actions", rows)
+        object.__setattr__(self, "placement", self._normalised_placement())
+        self._check_rows()
+
+    def _normalised_placement(self) -> Placement:
+        p, v = self.num_stages, self.num_chunks
+        if self.placement is None:
+            return round_robin_placement(p, v)
+        table = tuple(tuple(row) for row in self.placement)
+        if len(table) != p or any(len(row) != v for row in table):
+            raise ScheduleError(
+                f"placement must have {p} rows (one per stage) of {v} entries "
+                f"(one per chunk), got {table}"
+            )
+        if sorted(vs for row in table for vs in row) != list(range(p * v)):
+            raise ScheduleError(
+                f"placement must use each virtual stage 0..{p * v - 1} exactly once, got {table}"
+            )
+        return table
+
+    def _check_rows(self) -> None:
+        if len(self.actions) != self.num_stages:
+            raise ScheduleError(
+                f"schedule {self.name!r} has {len(self.actions)} action rows "
+                f"but num_stages={self.num_stages}; give one row per stage"
+            )
+        for stage, row in enumerate(self.actions):
+            for position, action in enumerate(row):
+                if not isinstance(action, Action):
+                    raise TypeError(
+                        f"stage {stage} position {position}: expected an Action, got {action!r}"
+                    )
+                if action.stage != stage:
+                    raise ScheduleError(
+                        f"stage {stage} position {position}: action {action} carries "
+                        f"stage index {action.stage}; every action in row {stage} "
+                        f"must have stage={stage}"
+                    )
+
+    # -- placement ---------------------------------------------------------
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """Number of model chunks in model order (``num_stages * num_chunks``)."""
+        return self.num_stages * self.num_chunks
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        """Model-order index of ``chunk`` held by physical ``stage``."""
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage={stage} is out of range 0..{self.num_stages - 1}")
+        if not 0 <= chunk < self.num_chunks:
+            raise ValueError(f"chunk={chunk} is out of range 0..{self.num_chunks - 1}")
+        return self.placement[stage][chunk]
+
+    def stage_of(self, virtual_stage: int) -> tuple[int, int]:
+        """The ``(stage, chunk)`` holding ``virtual_stage``."""
+        try:
+            return self._where[virtual_stage]
+        except KeyError:
+            raise ValueError(
+                f"virtual_stage={virtual_stage} is out of range 0..{self.num_virtual_stages - 1}"
+            ) from None
+
+    @cached_property
+    def _where(self) -> dict[int, tuple[int, int]]:
+        return {
+            vs: (stage, chunk)
+            for stage, row in enumerate(self.placement)
+            for chunk, vs in enumerate(row)
+        }
+
+    def virtual_stage_of(self, action: Action) -> int:
+        """Model-order index of the chunk ``action`` runs on."""
+        return self.virtual_stage(action.stage, action.chunk)
+
+    def action_at(self, kind: ActionKind, virtual_stage: int, microbatch: int) -> Action:
+        """The action of ``kind`` for ``microbatch`` on ``virtual_stage``, wherever it is placed."""
+        stage, chunk = self.stage_of(virtual_stage)
+        return Action(stage, kind, microbatch, chunk)
+
+    # -- dependencies --------------------------------------------------------
+
+    def dependencies(self, action: Action) -> tuple[Action, ...]:
+        """Actions whose results ``action`` consumes, on the same or other stages.
+
+        ``F`` needs ``F`` of the same micro-batch on the previous virtual stage;
+        ``B`` needs its own ``F`` and ``B`` on the next virtual stage; ``W`` needs
+        its own ``B``. Validation and simulation share this single definition.
+        """
+        vs = self.virtual_stage_of(action)
+        mb = action.microbatch
+        if action.kind is ActionKind.FORWARD:
+            return (self.action_at(F, vs - 1, mb),) if vs > 0 else ()
+        if action.kind is ActionKind.WEIGHT:
+            return (action.with_kind(B),)
+        deps = [action.with_kind(F)]
+        if vs < self.num_virtual_stages - 1:
+            deps.append(self.action_at(B, vs + 1, mb))
+        return tuple(deps)
+
+    def consumers(self, action: Action) -> tuple[Action, ...]:
+        """Actions listing ``action`` among their :meth:`dependencies` (the inverse relation)."""
+        vs = self.virtual_stage_of(action)
+        mb = action.microbatch
+        if action.kind is ActionKind.FORWARD:
+            out = [action.with_kind(B)]
+            if vs < self.num_virtual_stages - 1:
+                out.append(self.action_at(F, vs + 1, mb))
+            return tuple(out)
+        if action.kind is ActionKind.WEIGHT:
+            return ()
+        out = []
+        if vs > 0:
+            out.append(self.action_at(B, vs - 1, mb))
+        if action.with_kind(W) in self._action_set:
+            out.append(action.with_kind(W))
+        return tuple(out)
+
+    @cached_property
+    def _action_set(self) -> frozenset[Action]:
+        return frozenset(a for row in self.actions for a in row)
+
+    # -- text forms --------------------------------------------------------
+
+    def to_strings(self) -> list[list[str]]:
+        """The action table as compact strings, one list per stage."""
+        return [[str(a) for a in row] for row in self.actions]
+
+    @classmethod
+    def from_strings(
+        cls,
+        name: str,
+        table: Sequence[str | Sequence[str]],
+        num_microbatches: int | None = None,
+        num_chunks: int = 1,
+        placement: Placement | None = None,
+    ) -> Schedule:
+        """Build a schedule from one row per stage: a list of action strings or one
+        space-separated string. ``num_microbatches`` defaults to the largest one used + 1."""
+        rows = tuple(tuple(Action.parse(s) for s in _split_row(row)) for row in table)
+        if num_microbatches is None:
+            used = [a.microbatch for row in rows for a in row]
+            if not used:
+                raise ValueError("cannot infer num_microbatches from an empty table; pass it")
+            num_microbatches = max(used) + 1
+        return cls(name, len(rows), num_microbatches, rows, num_chunks, placement)
+
+    def format_table(self) -> str:
+        """A readable table: a header line, then one row of actions per stage."""
+        cells = self.to_strings()
+        width = max((len(c) for row in cells for c in row), default=0)
+        label = len(f"stage {self.num_stages - 1}")
+        chunks = f", {self.num_chunks} chunks" if self.num_chunks > 1 else ""
+        lines = [
+            f"{self.name}: {self.num_stages} stages, "
+            f"{self.num_microbatches} micro-batches{chunks}"
+        ]
+        for stage, row in enumerate(cells):
+            body = " ".join(c.ljust(width) for c in row).rstrip()
+            lines.append(f"{f'stage {stage}':<{label}} | {body}".rstrip())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format_table()
+
+    def validate(self) -> ValidationReport:
+        """Check this schedule (see :func:`fastpipe.schedule.validate.validate`)."""
+        from .validate import validate  # deferred: validate imports this module
+
+        return validate(self)
+
+
+def _split_row(row: str | Iterable[str]) -> list[str]:
+    return row.split() if isinstance(row, str) else list(row)

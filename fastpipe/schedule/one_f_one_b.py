@@ -1,0 +1,28 @@
+"""1F1B (PipeDream-flush): warm-up forwards, alternate forward/backward, cool-down."""
+
+from __future__ import annotations
+
+from .ir import Action, B, F, Schedule, check_count
+
+__all__ = ["one_f_one_b"]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B schedule: stage ``r`` runs ``min(p-r-1, m)`` warm-up forwards, then
+    alternates one forward and one backward, then runs the remaining backwards.
+
+    Same bubble as GPipe, but stage ``r`` holds at most ``min(p-r, m)``
+    micro-batches in flight instead of ``m``. Works for any ``m >= 1``.
+    """
+    p = check_count("num_stages", num_stages)
+    m = check_count("num_microbatches", num_microbatches)
+    return Schedule("1f1b", p, m, tuple(_stage_row(r, p, m) for r in range(p)))
+
+
+def _stage_row(stage: int, num_stages: int, num_microbatches: int) -> tuple[Action, ...]:
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    row = [Action(stage, F, mb) for mb in range(warmup)]
+    for mb in range(warmup, num_microbatches):
+        row += [Action(stage, F, mb), Action(stage, B, mb - warmup)]
+    row += [Action(stage, B, mb) for mb in range(num_microbatches - warmup, num_microbatches)]
+    return tuple(row)
