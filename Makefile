@@ -1,0 +1,45 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   installs everything and trains the demo GPT through a pipeline
+#   make test   installs everything and runs the test suite
+# Everything goes into .venv (made with --system-site-packages, so a torch already installed on the
+# machine, e.g. a CUDA build on a GPU machine, is used as it is). Without one, TORCH_SPEC is
+# installed: the CPU build by default.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h)
+
+.PHONY: install demo test test-fast bench info clean
+
+$(VENV)/.installed: $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install setuptools wheel ninja
+	$(PY) -m pip install -e ".[test]" --no-build-isolation
+	$(PY) -m fastpipe info
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m fastpipe demo
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+info: install
+	$(PY) -m fastpipe info
+
+bench: install
+	$(PY) -m pip install --no-deps torchgpipe==0.0.7
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/cpu_concurrency.py
+
+clean:
+	rm -rf build $(VENV) *.egg-info fastpipe/_C*.so

@@ -1,0 +1,46 @@
+"""Shared helpers for the benchmarks: interleaved timing, medians and a plain table."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+
+def time_interleaved(candidates: Dict[str, Callable[[], None]], rounds: int,
+                     warmup: int = 3) -> Dict[str, List[float]]:
+    """Time each candidate once per round, in turn, so machine noise hits them all alike."""
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    times: Dict[str, List[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """One line about the machine and the library versions, for RESULTS.md."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, python {platform.python_version()}, "
+            f"load average at start {load:.2f}")

@@ -1,0 +1,41 @@
+"""Typed errors raised by fastpipe, each naming what went wrong and how to fix it."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class PipelineError(RuntimeError):
+    """A failure while a pipeline step was running (not a bad argument)."""
+
+
+class PipelineTimeout(PipelineError, TimeoutError):
+    """A blocking wait in the pipeline ran past its timeout.
+
+    The message names the stage, the action and the micro-batch that waited, so a stuck
+    pipeline is diagnosed from the error alone.
+    """
+
+    def __init__(self, message: str, *, stage: Optional[int] = None, action: Optional[str] = None,
+                 microbatch: Optional[int] = None, rank: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.action = action
+        self.microbatch = microbatch
+        self.rank = rank
+
+
+class StageFailure(PipelineError):
+    """A stage raised while running an action; carries where it happened.
+
+    The original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, stage: int, action: str, microbatch: int) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.action = action
+        self.microbatch = microbatch
+
+
+class PipelineAborted(PipelineError):
+    """A stage stopped because another stage of the same step failed first."""

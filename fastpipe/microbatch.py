@@ -1,0 +1,89 @@
+"""Scatter a nested batch into micro-batches and gather micro-batch outputs back.
+
+Pure tensor bookkeeping with ``torch.utils._pytree``: tensors (with a batch dimension) are split
+along dim 0 with ``torch.chunk`` semantics; every other leaf is passed to every micro-batch.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def _is_batched(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.dim() >= 1
+
+
+def batch_size(inputs: Any, *, argument: str = "inputs") -> int:
+    """The common size of dim 0 of every batched tensor in ``inputs``.
+
+    Raises ``ValueError`` naming ``argument`` when there is no batched tensor or when the
+    tensors disagree on their batch size.
+    """
+    leaves, _ = pytree.tree_flatten_with_path(inputs)
+    sizes = {pytree.keystr(path): leaf.shape[0] for path, leaf in leaves if _is_batched(leaf)}
+    if not sizes:
+        raise ValueError(
+            f"{argument} holds no tensor with a batch dimension; pass a tensor (or a nested "
+            f"tuple/list/dict of tensors) whose dim 0 is the batch")
+    if len(set(sizes.values())) > 1:
+        listing = ", ".join(f"{argument}{path or ''}: {size}" for path, size in sizes.items())
+        raise ValueError(
+            f"the tensors in {argument} have different batch sizes ({listing}); every tensor "
+            f"must have the same size in dim 0")
+    return next(iter(sizes.values()))
+
+
+def split_sizes(total: int, chunks: int, *, argument: str = "inputs") -> List[int]:
+    """Micro-batch sizes for ``total`` samples in ``chunks`` pieces, as ``torch.chunk`` makes them.
+
+    Every piece but the last has ``ceil(total / chunks)`` samples, so there may be fewer pieces
+    than ``chunks`` (5 samples in 4 chunks give 2, 2, 1).
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks must be at least 1, got {chunks}")
+    if total < chunks:
+        raise ValueError(
+            f"the batch in {argument} has {total} samples, fewer than chunks={chunks}; use a "
+            f"batch of at least {chunks} samples or lower chunks to at most {total}")
+    step = -(-total // chunks)
+    sizes = [step] * (total // step)
+    if total % step:
+        sizes.append(total % step)
+    return sizes
+
+
+def scatter(inputs: Any, sizes: Sequence[int]) -> List[Any]:
+    """Split ``inputs`` into micro-batches of the given sizes (along dim 0 of each tensor)."""
+    leaves, spec = pytree.tree_flatten(inputs)
+    columns = [list(torch.split(leaf, list(sizes))) if _is_batched(leaf) else [leaf] * len(sizes)
+               for leaf in leaves]
+    return [pytree.tree_unflatten([column[i] for column in columns], spec)
+            for i in range(len(sizes))]
+
+
+def gather(outputs: Sequence[Any]) -> Any:
+    """Concatenate micro-batch outputs (same structure each) back into one batch along dim 0."""
+    flat = [pytree.tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    for _, other in flat[1:]:
+        if other != spec:
+            raise ValueError(f"micro-batch outputs differ in structure: {spec} vs {other}")
+    merged = []
+    for index, column in enumerate(zip(*(leaves for leaves, _ in flat))):
+        merged.append(_merge_leaf(index, column))
+    return pytree.tree_unflatten(merged, spec)
+
+
+def _merge_leaf(index: int, column: Sequence[Any]) -> Any:
+    first = column[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise ValueError(
+                f"output leaf {index} is a 0-dim tensor, which cannot be gathered along the "
+                f"batch dimension; return per-sample values (dim 0 = batch) from the last stage")
+        return torch.cat(list(column)) if len(column) > 1 else first
+    if any(other != first for other in column[1:]):
+        raise ValueError(f"output leaf {index} is not a tensor and differs between micro-batches")
+    return first

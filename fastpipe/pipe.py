@@ -1,0 +1,205 @@
+"""``Pipe``: split an ``nn.Sequential`` into stages, place them, and run micro-batches through them.
+
+The front door of the local executor. ``Pipe`` takes torchgpipe's ``GPipe`` arguments plus a
+``schedule``; ``pipe(x)`` runs a forward pass whose output can be backpropagated as usual, and
+``pipe.train_step(inputs, targets, loss_fn)`` runs forward and backward on any schedule of the IR,
+accumulating exactly the gradients that the unsplit module gives on the whole batch.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import microbatch
+from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
+from .placement import (Device, auto_balance, check_balance, check_chunks, check_module,
+                        check_timeout, default_partitions, resolve_devices, split)
+from .runtime.executor import LocalExecutor
+from .runtime.stage import Stage
+from .runtime.step import StepState
+from .schedule import ActionKind, Schedule, get_schedule
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+class Pipe(nn.Module):
+    """A pipeline-parallel wrapper of an ``nn.Sequential``.
+
+    Args:
+        module: the model, an ``nn.Sequential``; its layers are moved to the stages' devices.
+        chunks: number of micro-batches each batch is split into (``torch.chunk`` semantics: a
+            batch of 5 in 4 chunks gives micro-batches of 2, 2 and 1).
+        devices: one device per stage (``'cpu'``, ``'cuda:N'``; a device may repeat). Default: the
+            CUDA devices, or the CPU.
+        balance: layers per stage. ``None`` splits by parameter count into one stage per device;
+            ``fastpipe.balance.by_time`` / ``by_size`` give profiled balances.
+        checkpoint: ``'never'``, ``'except_last'`` (all micro-batches but the last recompute their
+            forward in backward) or ``'always'``.
+        schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``).
+        timeout: seconds any stage may wait for an input before the step fails with an error
+            naming the stage, the action and the micro-batch.
+    """
+
+    def __init__(self, module: nn.Sequential, chunks: int = 1,
+                 devices: Optional[Sequence[Device]] = None,
+                 balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
+                 schedule: str = "gpipe", *, timeout: float = 300.0) -> None:
+        super().__init__()
+        module = check_module(module)
+        self._chunks = check_chunks(chunks)
+        self._checkpoint = check_mode(checkpoint)
+        self._timeout = check_timeout(timeout)
+        get_schedule(schedule, 1, 1)  # raises for an unknown name, before anything moves
+        self._schedule_name = schedule
+        if balance is None:
+            balance = auto_balance(module, default_partitions(module, devices))
+        self._balance = tuple(check_balance(balance, module))
+        self._devices = tuple(resolve_devices(devices, len(self._balance)))
+        self.module = module
+        parts = split(module, self._balance)
+        for part, device in zip(parts, self._devices):
+            part.to(device)
+        object.__setattr__(self, "_partitions", nn.ModuleList(parts))
+        object.__setattr__(self, "_stages", [Stage(i, part, device) for i, (part, device)
+                                             in enumerate(zip(parts, self._devices))])
+        object.__setattr__(self, "_executor", LocalExecutor(len(parts)))
+
+    # ---------------------------------------------------------------- read-only properties
+    @property
+    def partitions(self) -> nn.ModuleList:
+        """The stages' modules, in order (each an ``nn.Sequential`` of the original layers)."""
+        return self._partitions
+
+    @property
+    def balance(self) -> Tuple[int, ...]:
+        """Number of layers in each stage."""
+        return self._balance
+
+    @property
+    def devices(self) -> Tuple[torch.device, ...]:
+        """Device of each stage."""
+        return self._devices
+
+    @property
+    def chunks(self) -> int:
+        """Requested number of micro-batches per batch."""
+        return self._chunks
+
+    @property
+    def checkpoint(self) -> str:
+        """The checkpoint mode."""
+        return self._checkpoint
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's name; ``plan(m)`` gives the schedule itself."""
+        return self._schedule_name
+
+    def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
+        """The validated schedule this pipe runs for ``num_microbatches`` (default ``chunks``)."""
+        return _schedule(self._schedule_name, len(self._stages), num_microbatches or self._chunks)
+
+    # ---------------------------------------------------------------- running
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                   *, loss_reduction: str = "mean") -> torch.Tensor:
+        """Forward and backward of one batch on the pipe's schedule; returns the (detached) loss.
+
+        Adds to every parameter's ``.grad`` what ``loss_fn(module(inputs), targets).backward()``
+        adds. ``loss_reduction='mean'`` weights each micro-batch's loss by its share of the batch
+        (exact for losses that average over the batch); ``'sum'`` adds them (for summed losses).
+        """
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' (losses averaged over "
+                             f"the batch) or 'sum' (losses summed over the batch)")
+        total = microbatch.batch_size(inputs, argument="inputs")
+        target_total = microbatch.batch_size(targets, argument="targets")
+        if target_total != total:
+            raise ValueError(f"targets has batch size {target_total} but inputs has {total}; "
+                             f"give one target per input sample")
+        sizes = microbatch.split_sizes(total, self._chunks)
+        schedule = self.plan(len(sizes))
+        weights = [s / total for s in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
+        step = self._new_step(microbatch.scatter(inputs, sizes), train=True, grad_enabled=True,
+                              stop=checkpoint_stop(self._checkpoint, len(sizes)),
+                              targets=microbatch.scatter(targets, sizes), loss_fn=loss_fn,
+                              loss_weights=weights)
+        self._executor.run(schedule.actions, step, _virtual_stage(schedule))
+        return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
+
+    def forward(self, inputs: Any) -> Any:
+        """Run the batch through the stages (fill-and-drain); the output is on the last device.
+
+        When grad is enabled the output is connected to every stage's parameters, so
+        ``loss_fn(pipe(x), y).backward()`` works as with the plain module (the backward then runs
+        in autograd's order, as in GPipe).
+        """
+        total = microbatch.batch_size(inputs, argument="inputs")
+        sizes = microbatch.split_sizes(total, self._chunks)
+        schedule = _schedule("gpipe", len(self._stages), len(sizes))
+        programs = [[a for a in actions if a.kind == ActionKind.FORWARD]
+                    for actions in schedule.actions]
+        grad = torch.is_grad_enabled()
+        stop = checkpoint_stop(self._checkpoint, len(sizes)) if grad and self.training else 0
+        step = self._new_step(microbatch.scatter(inputs, sizes), train=False, grad_enabled=grad,
+                              stop=stop)
+        self._executor.run(programs, step, _virtual_stage(schedule))
+        return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
+
+    def _new_step(self, inputs: List[Any], *, train: bool, grad_enabled: bool, stop: int,
+                  **kwargs: Any) -> StepState:
+        for stage in self._stages:
+            stage.rng.reset()
+        return StepState(stages=self._stages, inputs=inputs, train=train, seed=draw_step_seed(),
+                         checkpoint_stop=stop, timeout=self._timeout, grad_enabled=grad_enabled,
+                         **kwargs)
+
+    # ---------------------------------------------------------------- plain-module names
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Parameters under the plain module's names (``'4.weight'``), whatever the split."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Buffers under the plain module's names."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The plain module's state dict (same keys as ``module.state_dict()``)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a plain module's state dict; tensors are copied onto each stage's device."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _deny_move(self, *args: Any, **kwargs: Any) -> "Pipe":
+        raise TypeError("a Pipe's stages live on their own devices and cannot be moved as one; "
+                        "choose the placement with Pipe(devices=...)")
+
+    to = cuda = cpu = _deny_move  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        layout = ", ".join(f"{b}@{d}" for b, d in zip(self._balance, self._devices))
+        return (f"Pipe(stages=[{layout}], chunks={self._chunks}, schedule={self._schedule_name!r}, "
+                f"checkpoint={self._checkpoint!r})")
+
+    def __del__(self) -> None:
+        executor = self.__dict__.get("_executor")
+        if executor is not None:
+            executor.shutdown()
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    schedule = get_schedule(name, num_stages, num_microbatches)
+    schedule.validate()
+    return schedule
+
+
+def _virtual_stage(schedule: Schedule) -> Callable[[Any], int]:
+    return lambda action: schedule.virtual_stage(action.stage, action.chunk)

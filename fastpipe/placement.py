@@ -1,0 +1,130 @@
+"""Argument checks and placement for a pipeline: which layers go to which device.
+
+Everything here runs before any tensor moves, so a bad argument leaves the user's module as it
+was. Each error names the argument and says how to fix it.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .balance import solve
+
+Device = Union[str, int, torch.device]
+
+
+def check_module(module: object) -> nn.Sequential:
+    """The module must be a non-empty ``nn.Sequential`` (the pipeline splits it by layers)."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"module must be an nn.Sequential, got {type(module).__name__}; wrap the layers in "
+            f"order, e.g. nn.Sequential(embedding, *blocks, head)")
+    if len(module) == 0:
+        raise ValueError("module is an empty nn.Sequential; give it at least one layer")
+    return module
+
+
+def check_chunks(chunks: object) -> int:
+    """``chunks`` is the number of micro-batches: an int of at least 1."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
+    if chunks < 1:
+        raise ValueError(f"chunks must be at least 1 (the number of micro-batches), got {chunks}")
+    return chunks
+
+
+def check_timeout(timeout: object) -> float:
+    """``timeout`` bounds every blocking wait of a step, in seconds."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def parse_device(device: Device, *, argument: str = "devices") -> torch.device:
+    """Parse one device and check that it exists on this machine."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{argument} holds {device!r}, which is not a device: {error}; use "
+                         f"'cpu' or 'cuda:N'") from None
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if parsed.type != "cuda":
+        raise ValueError(f"{argument} holds {device!r}; fastpipe places stages on 'cpu' or "
+                         f"'cuda:N' devices only")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{argument} holds {device!r} but CUDA is not available here; use 'cpu' "
+                         f"or install a CUDA build of torch on a machine with a GPU")
+    index = parsed.index if parsed.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"{argument} holds {device!r} but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s); use cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index)
+
+
+def default_partitions(module: nn.Sequential, devices: Optional[Sequence[Device]]) -> int:
+    """How many stages to make when no balance is given: one per device (listed, or present)."""
+    if devices is not None:
+        count = len(devices)
+    elif torch.cuda.is_available():
+        count = torch.cuda.device_count()
+    else:
+        count = os.cpu_count() or 1
+    return max(1, min(count, len(module)))
+
+
+def check_balance(balance: Sequence[int], module: nn.Sequential) -> List[int]:
+    """A balance lists each stage's layer count: positive ints summing to ``len(module)``."""
+    try:
+        values = list(balance)
+    except TypeError:
+        raise TypeError(f"balance must be a list of layer counts, got {balance!r}") from None
+    if not values or any(isinstance(b, bool) or not isinstance(b, int) for b in values):
+        raise TypeError(f"balance must be a non-empty list of ints (layers per stage), "
+                        f"got {balance!r}")
+    if any(b < 1 for b in values):
+        raise ValueError(f"balance={values} has a stage with no layers; every stage needs at "
+                         f"least one layer: drop the zero or merge stages")
+    if sum(values) != len(module):
+        raise ValueError(f"balance={values} sums to {sum(values)} but the module has "
+                         f"{len(module)} layers; make the counts add up to {len(module)}")
+    return values
+
+
+def auto_balance(module: nn.Sequential, partitions: int) -> List[int]:
+    """Split by parameter count (no sample needed); ``balance.by_time`` profiles instead."""
+    costs = [1.0 + sum(p.numel() for p in layer.parameters()) for layer in module]
+    return solve(costs, partitions)
+
+
+def resolve_devices(devices: Optional[Sequence[Device]], partitions: int) -> List[torch.device]:
+    """One device per stage; a device may be listed several times to hold several stages."""
+    if devices is None:
+        if torch.cuda.is_available():
+            devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        else:
+            devices = ["cpu"] * partitions
+    elif isinstance(devices, (str, int, torch.device)):
+        raise TypeError(f"devices must be a list of devices, one per stage, got {devices!r}; "
+                        f"e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']")
+    devices = list(devices)
+    if partitions > len(devices):
+        raise ValueError(
+            f"the pipeline has {partitions} stages but devices lists only {len(devices)}; list "
+            f"a device for each stage (a device may repeat, e.g. ['cpu'] * {partitions}) or use "
+            f"fewer stages in balance")
+    return [parse_device(d) for d in devices[:partitions]]
+
+
+def split(module: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
+    """Cut the module into consecutive ``nn.Sequential`` stages sharing its layers."""
+    layers = list(module)
+    parts, start = [], 0
+    for count in balance:
+        parts.append(nn.Sequential(*layers[start:start + count]))
+        start += count
+    return parts

@@ -1,0 +1,1 @@
+"""Device-side machinery: stage runtime, mailboxes, transfers and the local executor."""

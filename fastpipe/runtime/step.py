@@ -1,0 +1,183 @@
+"""The state of one pipeline step and the handlers that run its actions.
+
+A step is either a training step (``train``: stage boundaries are detached, each stage runs its
+own backward, gradients travel back through mailboxes) or a forward pass (``forward``: the
+autograd graph stays connected across stages so the caller can backprop through the output).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..checkpoint import backward_pairs, microbatch_seed
+from ..schedule import Action, ActionKind
+from .hop import Parcel, land, ship
+from .mailbox import Abort, Mailbox
+from .stage import Stage
+
+_TENSOR = object()  # marks where a tensor sits among a message's leaves
+
+
+@dataclass
+class Message:
+    """A pytree sent between stages: its structure, its constants and its shipped tensors."""
+
+    spec: Any
+    constants: List[Any]
+    parcel: Parcel
+    requires_grad: List[bool]
+
+
+@dataclass
+class StepState:
+    """Everything one step's handlers share; built by the front door, read by the workers."""
+
+    stages: Sequence[Stage]
+    inputs: Sequence[Any]
+    train: bool
+    seed: int
+    checkpoint_stop: int
+    timeout: float
+    grad_enabled: bool = True
+    targets: Optional[Sequence[Any]] = None
+    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
+    loss_weights: Optional[Sequence[float]] = None
+    abort: Abort = field(default_factory=Abort)
+    saved: Dict[Tuple[int, int], Tuple[list, list]] = field(default_factory=dict)
+    losses: Dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: Dict[int, Any] = field(default_factory=dict)
+    progress: List[str] = field(default_factory=list)
+    completed: int = 0
+
+    def __post_init__(self) -> None:
+        self.mailboxes = [Mailbox(stage.index, self.abort) for stage in self.stages]
+        self._lock = threading.Lock()
+        self.autocast = _ambient_autocast({stage.device.type for stage in self.stages})
+
+    def ambient(self) -> contextlib.ExitStack:
+        """Re-enter, on a worker thread, the caller's thread-local grad mode and autocast state."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+        for device_type, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        return stack
+
+    @property
+    def last(self) -> int:
+        return len(self.stages) - 1
+
+    def done(self, worker: int, action: Action) -> None:
+        with self._lock:
+            self.completed += 1
+            self.progress[worker] = f"finished {action}"
+
+
+def _ambient_autocast(device_types: Set[str]) -> List[Tuple[str, torch.dtype]]:
+    """The autocast regions active on the calling thread, for the stages' device types."""
+    return [(kind, torch.get_autocast_dtype(kind)) for kind in sorted(device_types)
+            if torch.is_autocast_enabled(kind)]
+
+
+def _send(step: StepState, dst: int, key: Tuple[str, int], value: Any, detach: bool) -> None:
+    leaves, spec = pytree.tree_flatten(value)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    flags = [t.requires_grad for t in tensors]
+    if detach:
+        tensors = [t.detach() for t in tensors]
+    parcel = ship(tensors, step.stages[dst].device)
+    constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+    step.mailboxes[dst].put(key, Message(spec, constants, parcel, flags))
+
+
+def _receive(step: StepState, stage: Stage, key: Tuple[str, int], action: Action) -> Message:
+    message = step.mailboxes[stage.index].get(key, step.timeout, str(action), action.microbatch)
+    message.parcel.tensors = land(message.parcel, stage.device)
+    return message
+
+
+def _as_leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    grad_ok = requires_grad and (t.is_floating_point() or t.is_complex())
+    return t.detach().requires_grad_(grad_ok)
+
+
+def _stage_input(step: StepState, stage: Stage, action: Action) -> Tuple[Any, List[torch.Tensor]]:
+    """The micro-batch input of ``stage`` and, for training, its boundary leaf tensors."""
+    mb = action.microbatch
+    if stage.index == 0:
+        value = step.inputs[mb]
+        leaves, spec = pytree.tree_flatten(value)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        moved = iter(land(ship(tensors, stage.device), stage.device))
+        leaves = [next(moved) if isinstance(x, torch.Tensor) else x for x in leaves]
+        flags = [False] * len(tensors)
+    else:
+        message = _receive(step, stage, ("act", mb), action)
+        spec, flags = message.spec, message.requires_grad
+        moved = iter(message.parcel.tensors)
+        leaves = [next(moved) if x is _TENSOR else x for x in message.constants]
+    if not step.train:
+        return pytree.tree_unflatten(leaves, spec), []
+    flag_it = iter(flags)
+    leaves = [_as_leaf(x, next(flag_it)) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return pytree.tree_unflatten(leaves, spec), [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def _last_stage_output(step: StepState, stage: Stage, mb: int, output: Any,
+                       boundary: List[torch.Tensor]) -> None:
+    if step.loss_fn is None:
+        step.outputs[mb] = output
+        return
+    target = step.targets[mb]
+    leaves, spec = pytree.tree_flatten(target)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    moved = iter(land(ship(tensors, stage.device), stage.device))
+    target = pytree.tree_unflatten(
+        [next(moved) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    loss = step.loss_fn(output, target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(f"loss_fn must return a 0-dim tensor, got {type(loss).__name__} "
+                        f"{tuple(getattr(loss, 'shape', ()))}; reduce the loss to a scalar")
+    loss = loss * step.loss_weights[mb]
+    step.losses[mb] = loss.detach()
+    step.saved[(stage.index, mb)] = (boundary, [loss])
+
+
+def forward_action(step: StepState, stage: Stage, action: Action) -> None:
+    """F: run one micro-batch through the stage and pass the result on."""
+    mb = action.microbatch
+    inputs, boundary = _stage_input(step, stage, action)
+    checkpoint = step.grad_enabled and mb < step.checkpoint_stop
+    output = stage.forward(inputs, microbatch_seed(step.seed, stage.index, mb), checkpoint)
+    if stage.index == step.last:
+        _last_stage_output(step, stage, mb, output, boundary)
+        return
+    if step.train:
+        outs = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
+        step.saved[(stage.index, mb)] = (boundary, outs)
+    _send(step, stage.index + 1, ("act", mb), output, detach=step.train)
+
+
+def backward_action(step: StepState, stage: Stage, action: Action) -> None:
+    """B: backpropagate one micro-batch through the stage and send the input gradient back."""
+    mb = action.microbatch
+    boundary, outputs = step.saved.pop((stage.index, mb))
+    if stage.index == step.last:
+        grads: Sequence[Optional[torch.Tensor]] = [torch.ones_like(outputs[0])]
+    else:
+        grads = _receive(step, stage, ("grad", mb), action).parcel.tensors
+    backward_pairs(outputs, grads)
+    if stage.index > 0:
+        input_grads = [x.grad if x.requires_grad else None for x in boundary]
+        parcel = ship(input_grads, step.stages[stage.index - 1].device)
+        step.mailboxes[stage.index - 1].put(("grad", mb), Message(None, [], parcel, []))
+
+
+HANDLERS: Dict[ActionKind, Callable[[StepState, Stage, Action], None]] = {
+    ActionKind.FORWARD: forward_action,
+    ActionKind.BACKWARD: backward_action,
+}

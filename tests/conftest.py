@@ -1,0 +1,22 @@
+"""Shared test setup: fixed seeds and visible skips for device-specific tests."""
+import importlib.util
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    no_triton = pytest.mark.skip(reason="needs Triton (pip install triton)")
+    has_triton = importlib.util.find_spec("triton") is not None
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+        if "triton" in item.keywords and not has_triton:
+            item.add_marker(no_triton)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,113 @@
+"""Bad arguments give typed errors naming the argument, before any work, leaving the model as it was."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fastpipe
+from helpers import mlp
+
+
+def snapshot(model):
+    return {n: (p.detach().clone(), None if p.grad is None else p.grad.clone(), p.device)
+            for n, p in model.named_parameters()}
+
+
+def assert_untouched(model, before):
+    for name, p in model.named_parameters():
+        value, grad, device = before[name]
+        assert p.device == device
+        torch.testing.assert_close(p.detach(), value, rtol=0, atol=0)
+        if grad is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(balance=[3, 2]), ValueError, r"balance=\[3, 2\] sums to 5 but the module has 6 layers"),
+    (dict(balance=[3, 0, 3]), ValueError, "has a stage with no layers"),
+    (dict(balance=[2, 2, 2], devices=["cpu", "cpu"]), ValueError,
+     "3 stages but devices lists only 2"),
+    (dict(balance=[3, 3], devices=["cuda:0", "cpu"]), ValueError, "CUDA is not available"),
+    (dict(balance=[3, 3], devices=["cpu", "tpu:0"]), ValueError, "devices holds 'tpu:0'"),
+    (dict(chunks=0), ValueError, "chunks must be at least 1"),
+    (dict(chunks=2.5), TypeError, "chunks must be an int"),
+    (dict(schedule="zigzag"), ValueError, "schedule"),
+    (dict(checkpoint="sometimes"), ValueError, "checkpoint='sometimes' is not a checkpoint mode"),
+    (dict(timeout=0), ValueError, "timeout must be a positive number"),
+    (dict(balance=[3.0, 3]), TypeError, "balance must be a non-empty list of ints"),
+    (dict(devices="cpu", balance=[3, 3]), TypeError, "devices must be a list"),
+])
+def test_constructor_errors(kwargs, error, match):
+    if "cuda:0" in kwargs.get("devices", []) and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    model = mlp()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = snapshot(model)
+    with pytest.raises(error, match=match):
+        fastpipe.Pipe(model, **kwargs)
+    assert_untouched(model, before)
+
+
+def test_non_sequential_module_is_a_type_error():
+    with pytest.raises(TypeError, match="module must be an nn.Sequential"):
+        fastpipe.Pipe(nn.Linear(2, 2))
+
+
+def test_unknown_schedule_lists_valid_names():
+    with pytest.raises(ValueError, match="gpipe") as info:
+        fastpipe.Pipe(mlp(), schedule="zigzag")
+    assert "1f1b" in str(info.value)
+
+
+@pytest.mark.parametrize("call", ["train_step", "forward"])
+def test_batch_errors_leave_model_untouched(call):
+    model = mlp()
+    pipe = fastpipe.Pipe(model, chunks=4, balance=[3, 3], devices=["cpu"] * 2)
+    before = snapshot(model)
+    run = (lambda x: pipe.train_step(x, torch.zeros(3, 4), nn.MSELoss())) if call == "train_step" \
+        else pipe
+    with pytest.raises(ValueError, match="fewer than chunks=4"):
+        run(torch.randn(3, 8))
+    with pytest.raises(ValueError, match="different batch sizes"):
+        run((torch.randn(8, 8), torch.randn(7, 8)))
+    assert_untouched(model, before)
+
+
+def test_target_batch_mismatch_and_bad_loss():
+    model = mlp()
+    pipe = fastpipe.Pipe(model, chunks=2, balance=[3, 3], devices=["cpu"] * 2)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="targets has batch size 5 but inputs has 8"):
+        pipe.train_step(torch.randn(8, 8), torch.randn(5, 4), nn.MSELoss())
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        pipe.train_step(torch.randn(8, 8), torch.randn(8, 4), "mse")
+    with pytest.raises(ValueError, match="loss_reduction"):
+        pipe.train_step(torch.randn(8, 8), torch.randn(8, 4), nn.MSELoss(), loss_reduction="max")
+    assert_untouched(model, before)
+
+
+def test_properties_and_plain_names():
+    model = mlp()
+    names = [n for n, _ in model.named_parameters()]
+    pipe = fastpipe.Pipe(copy.deepcopy(model), chunks=3, balance=[1, 2, 3], devices=["cpu"] * 3,
+                         schedule="1f1b")
+    assert pipe.balance == (1, 2, 3)
+    assert pipe.devices == (torch.device("cpu"),) * 3
+    assert pipe.chunks == 3 and pipe.schedule == "1f1b" and pipe.checkpoint == "except_last"
+    assert [len(p) for p in pipe.partitions] == [1, 2, 3]
+    assert [n for n, _ in pipe.named_parameters()] == names
+    assert list(pipe.state_dict()) == list(model.state_dict())
+    with pytest.raises(AttributeError):
+        pipe.balance = (3, 3)
+    with pytest.raises(TypeError, match="cannot be moved"):
+        pipe.to("cpu")
+    assert str(pipe.plan().actions[0][0]) == "0F0"
+
+
+def test_automatic_balance_uses_every_layer():
+    model = mlp(depth=6)
+    pipe = fastpipe.Pipe(model, chunks=2, devices=["cpu"] * 3)
+    assert sum(pipe.balance) == 6 and len(pipe.balance) == 3
