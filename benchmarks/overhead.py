@@ -40,9 +40,10 @@ def torchgpipe_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: 
     return step
 
 
-def fastpipe_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, schedule: str):
+def fastpipe_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, schedule: str,
+                  workers: int | None = None):
     pipe = fastpipe.Pipe(model, chunks=chunks, balance=[1] * STAGES, devices=["cpu"] * STAGES,
-                         checkpoint="never", schedule=schedule)
+                         checkpoint="never", schedule=schedule, cpu_workers=workers)
 
     def step() -> None:
         pipe.train_step(x, y, nn.MSELoss())
@@ -65,9 +66,12 @@ def main() -> None:
 
     rows = []
     for chunks in (8, 32):
-        candidates = {"plain loop": plain_loop(copy.deepcopy(base), x, y, chunks),
-                      "fastpipe gpipe": fastpipe_step(copy.deepcopy(base), x, y, chunks, "gpipe"),
-                      "fastpipe 1f1b": fastpipe_step(copy.deepcopy(base), x, y, chunks, "1f1b")}
+        candidates = {"plain loop": plain_loop(copy.deepcopy(base), x, y, chunks)}
+        for schedule in ("gpipe", "1f1b"):
+            for workers in (None, 1):
+                label = f"fastpipe {schedule}" + (" (1 worker thread)" if workers else "")
+                candidates[label] = fastpipe_step(copy.deepcopy(base), x, y, chunks, schedule,
+                                                  workers)
         if have_torchgpipe:
             candidates["torchgpipe"] = torchgpipe_step(copy.deepcopy(base), x, y, chunks)
         times = time_interleaved(candidates, args.rounds)

@@ -16,10 +16,10 @@ from torch import nn
 from . import microbatch
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import (Device, auto_balance, check_balance, check_chunks, check_module,
-                        check_timeout, default_partitions, resolve_devices, split)
-from .runtime.executor import LocalExecutor
+                        check_timeout, check_workers, default_partitions, resolve_devices, split)
 from .runtime.stage import Stage
 from .runtime.step import StepState
+from .runtime.workers import WorkerPolicy
 from .schedule import ActionKind, Schedule, get_schedule
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -39,19 +39,26 @@ class Pipe(nn.Module):
         checkpoint: ``'never'``, ``'except_last'`` (all micro-batches but the last recompute their
             forward in backward) or ``'always'``.
         schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``).
-        timeout: seconds any stage may wait for an input before the step fails with an error
-            naming the stage, the action and the micro-batch.
+        timeout: seconds any stage may wait for an input (and any action may run) before the
+            step fails with an error naming the stage, the action and the micro-batch.
+        cpu_workers: threads that run the CPU stages (consecutive stages share a thread when
+            there are more stages than threads). Default ``None``: one per core (at most one per
+            stage) while actions are long, one in all when the measured time per action is so
+            short that hand-offs between threads would cost more than the overlap gains.
+            Each GPU stage always has its own thread.
     """
 
     def __init__(self, module: nn.Sequential, chunks: int = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
-                 schedule: str = "gpipe", *, timeout: float = 300.0) -> None:
+                 schedule: str = "gpipe", *, timeout: float = 300.0,
+                 cpu_workers: Optional[int] = None) -> None:
         super().__init__()
         module = check_module(module)
         self._chunks = check_chunks(chunks)
         self._checkpoint = check_mode(checkpoint)
         self._timeout = check_timeout(timeout)
+        workers = check_workers(cpu_workers)
         get_schedule(schedule, 1, 1)  # raises for an unknown name, before anything moves
         self._schedule_name = schedule
         if balance is None:
@@ -65,7 +72,7 @@ class Pipe(nn.Module):
         object.__setattr__(self, "_partitions", nn.ModuleList(parts))
         object.__setattr__(self, "_stages", [Stage(i, part, device) for i, (part, device)
                                              in enumerate(zip(parts, self._devices))])
-        object.__setattr__(self, "_executor", LocalExecutor(len(parts)))
+        object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
 
     # ---------------------------------------------------------------- read-only properties
     @property
@@ -92,6 +99,11 @@ class Pipe(nn.Module):
     def checkpoint(self) -> str:
         """The checkpoint mode."""
         return self._checkpoint
+
+    @property
+    def cpu_workers(self) -> int:
+        """Threads that run the CPU stages in the next step."""
+        return self._workers.current
 
     @property
     def schedule(self) -> str:
@@ -128,7 +140,7 @@ class Pipe(nn.Module):
                               stop=checkpoint_stop(self._checkpoint, len(sizes)),
                               targets=microbatch.scatter(targets, sizes), loss_fn=loss_fn,
                               loss_weights=weights)
-        self._executor.run(schedule.actions, step, _virtual_stage(schedule))
+        self._run(schedule.actions, step, schedule)
         return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
 
     def forward(self, inputs: Any) -> Any:
@@ -147,8 +159,12 @@ class Pipe(nn.Module):
         stop = checkpoint_stop(self._checkpoint, len(sizes)) if grad and self.training else 0
         step = self._new_step(microbatch.scatter(inputs, sizes), train=False, grad_enabled=grad,
                               stop=stop)
-        self._executor.run(programs, step, _virtual_stage(schedule))
+        self._run(programs, step, schedule)
         return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
+
+    def _run(self, programs: Sequence[Sequence[Any]], step: StepState, schedule: Schedule) -> None:
+        self._workers.executor().run(programs, step, _virtual_stage(schedule))
+        self._workers.observe(step)
 
     def _new_step(self, inputs: List[Any], *, train: bool, grad_enabled: bool, stop: int,
                   **kwargs: Any) -> StepState:
@@ -189,9 +205,9 @@ class Pipe(nn.Module):
                 f"checkpoint={self._checkpoint!r})")
 
     def __del__(self) -> None:
-        executor = self.__dict__.get("_executor")
-        if executor is not None:
-            executor.shutdown()
+        workers = self.__dict__.get("_workers")
+        if workers is not None:
+            workers.shutdown()
 
 
 @functools.lru_cache(maxsize=64)

@@ -128,3 +128,29 @@ def split(module: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
         parts.append(nn.Sequential(*layers[start:start + count]))
         start += count
     return parts
+
+
+def check_workers(workers: object) -> Optional[int]:
+    """``cpu_workers``: threads for the CPU stages, ``None`` (one per core) or an int >= 1."""
+    if workers is None:
+        return None
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"cpu_workers must be None or a positive int (threads running the CPU "
+                         f"stages), got {workers!r}")
+    return workers
+
+
+def worker_groups(devices: Sequence[torch.device], cpu_workers: Optional[int]) -> List[List[int]]:
+    """Which stages each worker thread runs: every GPU stage its own; CPU stages in consecutive
+    groups, one group per CPU worker (default: one per core, at most one per stage)."""
+    cpu = [i for i, d in enumerate(devices) if d.type == "cpu"]
+    groups = [[i] for i, d in enumerate(devices) if d.type != "cpu"]
+    if cpu:
+        count = min(len(cpu), cpu_workers or os.cpu_count() or 1)
+        size, extra = divmod(len(cpu), count)
+        start = 0
+        for w in range(count):
+            end = start + size + (1 if w < extra else 0)
+            groups.append(cpu[start:end])
+            start = end
+    return sorted(groups)

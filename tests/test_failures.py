@@ -78,7 +78,7 @@ def test_stages_run_concurrently_on_the_cpu():
 
     model = nn.Sequential(Meet(1), Meet(0))
     pipe = fastpipe.Pipe(model, chunks=2, balance=[1, 1], devices=["cpu"] * 2,
-                         checkpoint="never")
+                         checkpoint="never", cpu_workers=2)
     with torch.no_grad():
         out = pipe(torch.ones(4, 2))
     torch.testing.assert_close(out, torch.ones(4, 2))

@@ -37,6 +37,7 @@ def assert_untouched(model, before):
     (dict(schedule="zigzag"), ValueError, "schedule"),
     (dict(checkpoint="sometimes"), ValueError, "checkpoint='sometimes' is not a checkpoint mode"),
     (dict(timeout=0), ValueError, "timeout must be a positive number"),
+    (dict(cpu_workers=0), ValueError, "cpu_workers must be None or a positive int"),
     (dict(balance=[3.0, 3]), TypeError, "balance must be a non-empty list of ints"),
     (dict(devices="cpu", balance=[3, 3]), TypeError, "devices must be a list"),
 ])

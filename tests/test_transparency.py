@@ -52,14 +52,16 @@ def test_forward_then_backward_matches_plain_model(checkpoint, chunks, batch):
     assert_same_grads(grads_of(model), expected)
 
 
+@pytest.mark.parametrize("cpu_workers", [1, 2, None])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [1, 2, 4, 7])
-def test_stage_counts(schedule, stages):
+def test_stage_counts_and_worker_threads(schedule, stages, cpu_workers):
     model = mlp(depth=7)
     plain = copy.deepcopy(model)
     x, y = torch.randn(10, 8), torch.randn(10, 4)
     expected_loss, expected = reference(plain, x, y, nn.MSELoss())
-    pipe = fastpipe.Pipe(model, chunks=4, devices=["cpu"] * stages, schedule=schedule)
+    pipe = fastpipe.Pipe(model, chunks=4, devices=["cpu"] * stages, schedule=schedule,
+                         cpu_workers=cpu_workers)
     assert len(pipe.partitions) == stages
     loss = pipe.train_step(x, y, nn.MSELoss())
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)

@@ -1,10 +1,13 @@
-"""The local executor: one worker thread per physical stage interprets that stage's actions.
+"""The local executor: worker threads interpret the stages' action lists.
 
-Stages run concurrently (torch releases the GIL inside kernels and autograd), each on its own
-CUDA stream when on a GPU. The executor knows nothing of particular schedules: it looks each
-action's kind up in a handler table. A failing stage aborts the step for every other stage, and a
-step that makes no progress within the timeout is stopped with an error naming where each
-stage stood.
+Each worker runs the programs of one or more physical stages (one stage per worker on GPUs; on the
+CPU, consecutive stages share a worker when there are more stages than cores). A worker runs, in
+each pass over its stages, the next action of every stage whose input has arrived, and sleeps on
+its doorbell only when none can move. Stages on different workers run concurrently (torch releases
+the GIL inside kernels and autograd), each on its own CUDA stream on a GPU. The executor knows
+nothing of particular schedules: it looks each action's kind up in a handler table. A failing stage
+aborts the step for every worker, and a worker whose stages wait longer than the timeout fails
+with an error naming the stage, the action and the micro-batch.
 """
 from __future__ import annotations
 
@@ -13,87 +16,170 @@ import threading
 import time
 from typing import Callable, Dict, List, Sequence
 
-import torch
-
 from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
 from ..schedule import Action, ActionKind
+from .mailbox import Mailbox
 from .stage import Stage
-from .step import HANDLERS, StepState
+from .step import HANDLERS, StepState, is_ready
 
 Handler = Callable[[StepState, Stage, Action], None]
+VirtualStage = Callable[[Action], int]
 
 
 class LocalExecutor:
-    """Runs per-stage action programs on a persistent pool of worker threads."""
+    """Runs per-stage action programs on a persistent pool of worker threads.
 
-    def __init__(self, num_workers: int, handlers: Dict[ActionKind, Handler] = HANDLERS) -> None:
-        self.num_workers = num_workers
+    ``groups[w]`` lists the physical stages worker ``w`` runs, in pipeline order.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[int]],
+                 handlers: Dict[ActionKind, Handler] = HANDLERS) -> None:
+        self.groups = [list(g) for g in groups]
         self.handlers = handlers
-        self._pool = futures.ThreadPoolExecutor(num_workers, thread_name_prefix="fastpipe-stage")
+        self._pool = futures.ThreadPoolExecutor(len(self.groups),
+                                                thread_name_prefix="fastpipe-worker")
         self._lock = threading.Lock()
 
     def run(self, programs: Sequence[Sequence[Action]], step: StepState,
-            virtual_stage: Callable[[Action], int]) -> None:
+            virtual_stage: VirtualStage) -> None:
         """Run one step: ``programs[s]`` is physical stage ``s``'s action list, in order, and
         ``virtual_stage`` maps an action to the index of the model chunk it runs."""
-        if len(programs) != self.num_workers:
-            raise ValueError(f"expected {self.num_workers} stage programs, got {len(programs)}")
+        if len(programs) != sum(len(g) for g in self.groups):
+            raise ValueError(f"expected {sum(len(g) for g in self.groups)} stage programs, "
+                             f"got {len(programs)}")
         with self._lock:  # one step at a time per pipeline
-            step.progress = ["not started"] * self.num_workers
-            jobs = [self._pool.submit(self._program, step, s, programs[s], virtual_stage)
-                    for s in range(self.num_workers)]
-            self._wait(jobs, step)
-
-    def _program(self, step: StepState, worker: int, program: Sequence[Action],
-                 virtual_stage: Callable[[Action], int]) -> None:
-        with step.ambient():
-            for action in program:
-                if step.abort.reason is not None:
-                    return
-                stage = step.stages[virtual_stage(action)]
-                step.progress[worker] = f"running {action}"
-                try:
-                    with stage.context():
-                        self.handlers[action.kind](step, stage, action)
-                except PipelineError as error:
-                    step.abort.trip(f"stage {worker} failed in action {action}: {error}")
-                    raise
-                except BaseException as error:
-                    step.abort.trip(f"stage {worker} failed in action {action}: "
-                                    f"{type(error).__name__}: {error}")
-                    raise StageFailure(
-                        f"stage {worker} failed in action {action} (micro-batch "
-                        f"{action.microbatch}): {type(error).__name__}: {error}",
-                        stage=worker, action=str(action), microbatch=action.microbatch) from error
-                step.done(worker, action)
-
-    def _wait(self, jobs: List["futures.Future[None]"], step: StepState) -> None:
-        last_progress, last_count = time.monotonic(), -1
-        pending = set(jobs)
-        while pending:
-            done, pending = futures.wait(pending, timeout=min(step.timeout, 1.0),
-                                         return_when=futures.FIRST_EXCEPTION)
-            if any(job.exception() is not None for job in done):
-                break
-            if step.completed != last_count:
-                last_progress, last_count = time.monotonic(), step.completed
-            elif time.monotonic() - last_progress > step.timeout:
-                where = "; ".join(f"stage {s}: {p}" for s, p in enumerate(step.progress))
-                step.abort.trip("the step timed out")
-                futures.wait(pending, timeout=step.timeout)
-                raise PipelineTimeout(
-                    f"pipeline step made no progress for {step.timeout:g}s ({where}); a stage "
-                    f"is stuck: raise Pipe(timeout=...) if one action legitimately takes longer")
-        if pending:  # an error: the others stop at their next wait or action
-            futures.wait(pending, timeout=step.timeout)
-        self._raise_first(jobs)
+            bells = self._wire(programs, step, virtual_stage)
+            jobs = [self._pool.submit(self._work, step, w, group, programs, virtual_stage, bells[w])
+                    for w, group in enumerate(self.groups)]
+            self._watch(jobs, step)
+            futures.wait(jobs, timeout=step.timeout + 1.0)  # the others stop at their next check
+            self._raise_first(jobs, step)
 
     @staticmethod
-    def _raise_first(jobs: List["futures.Future[None]"]) -> None:
+    def _watch(jobs: List["futures.Future[None]"], step: StepState) -> None:
+        """Wait for the workers; give up on a step whose actions stopped finishing."""
+        seen, since = -1, time.monotonic()
+        while True:
+            done, pending = futures.wait(jobs, timeout=min(step.timeout, 1.0),
+                                         return_when=futures.FIRST_EXCEPTION)
+            if not pending or any(job.exception() is not None for job in done):
+                return
+            if step.completed != seen:
+                seen, since = step.completed, time.monotonic()
+            elif time.monotonic() - since > step.timeout:
+                step.abort.trip("the step made no progress")
+                return
+
+    def _wire(self, programs: Sequence[Sequence[Action]], step: StepState,
+              virtual_stage: VirtualStage) -> List[threading.Condition]:
+        """Give every virtual stage a mailbox ringing the bell of the worker that runs it."""
+        bells = [threading.Condition() for _ in self.groups]
+        owner = {}
+        for w, group in enumerate(self.groups):
+            for s in group:
+                for action in programs[s]:
+                    owner[virtual_stage(action)] = w
+        step.mailboxes = [Mailbox(v, bells[owner.get(v, 0)]) for v in range(len(step.stages))]
+        for bell in bells:
+            step.abort.register(bell)
+        step.progress = [("not started", None)] * len(programs)
+        step.busy = [0.0] * len(self.groups)
+        return bells
+
+    def _work(self, step: StepState, worker: int, group: List[int],
+              programs: Sequence[Sequence[Action]], virtual_stage: VirtualStage,
+              bell: threading.Condition) -> None:
+        cursors = {s: 0 for s in group}
+        order = list(reversed(group))  # downstream first: outputs leave the worker sooner
+        deadline = time.monotonic() + step.timeout
+        with step.ambient():
+            while any(cursors[s] < len(programs[s]) for s in group):
+                ran = False
+                if step.abort.reason is not None:
+                    raise PipelineAborted(f"worker of stages {group} stopped because "
+                                          f"{step.abort.reason}")
+                for s in order:
+                    if cursors[s] < len(programs[s]):
+                        action = programs[s][cursors[s]]
+                        stage = step.stages[virtual_stage(action)]
+                        if is_ready(step, stage, action):
+                            self._run_action(step, worker, stage, action)
+                            cursors[s] += 1
+                            ran = True
+                if ran:
+                    deadline = time.monotonic() + step.timeout
+                else:
+                    self._sleep(step, group, programs, cursors, virtual_stage, bell, deadline)
+
+    def _sleep(self, step: StepState, group: List[int], programs: Sequence[Sequence[Action]],
+               cursors: Dict[int, int], virtual_stage: VirtualStage,
+               bell: threading.Condition, deadline: float) -> None:
+        """Wait until a message arrives for one of the worker's stages, or fail."""
+        pending = [programs[s][cursors[s]] for s in group if cursors[s] < len(programs[s])]
+        with bell:
+            while True:
+                if step.abort.reason is not None:
+                    first = pending[0]
+                    raise PipelineAborted(
+                        f"stage {first.stage} stopped waiting for the input of {first} "
+                        f"(micro-batch {first.microbatch}) because {step.abort.reason}")
+                if any(is_ready(step, step.stages[virtual_stage(a)], a) for a in pending):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _timeout(step, pending)
+                bell.wait(remaining)
+
+    def _run_action(self, step: StepState, worker: int, stage: Stage, action: Action) -> None:
+        step.progress[action.stage] = ("running", action)
+        start = time.perf_counter()
+        try:
+            if stage.stream is None:
+                self.handlers[action.kind](step, stage, action)
+            else:
+                with stage.context():
+                    self.handlers[action.kind](step, stage, action)
+        except PipelineError as error:
+            step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
+            raise
+        except BaseException as error:
+            step.abort.trip(f"stage {action.stage} failed in action {action}: "
+                            f"{type(error).__name__}: {error}")
+            raise StageFailure(
+                f"stage {action.stage} failed in action {action} (micro-batch "
+                f"{action.microbatch}): {type(error).__name__}: {error}",
+                stage=action.stage, action=str(action), microbatch=action.microbatch) from error
+        step.progress[action.stage] = ("finished", action)
+        step.busy[worker] += time.perf_counter() - start
+        step.done()
+
+    @staticmethod
+    def _raise_first(jobs: List["futures.Future[None]"], step: StepState) -> None:
         errors = [job.exception() for job in jobs if job.done() and job.exception() is not None]
         root = [e for e in errors if not isinstance(e, PipelineAborted)]
-        if root or errors:
-            raise (root or errors)[0]
+        if root:
+            raise root[0]
+        if not all(job.done() for job in jobs):
+            where = "; ".join(f"stage {s}: {state} {action or ''}".rstrip()
+                              for s, (state, action) in enumerate(step.progress))
+            step.abort.trip("the step timed out")
+            raise PipelineTimeout(
+                f"the pipeline step made no progress for {step.timeout:g}s ({where}); an action is "
+                f"stuck in user code: raise Pipe(timeout=...) if one action legitimately takes "
+                f"longer")
+        if errors:
+            raise errors[0]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _timeout(step: StepState, pending: List[Action]) -> PipelineTimeout:
+    first = pending[0]
+    waits = ", ".join(f"{a} (micro-batch {a.microbatch})" for a in pending)
+    step.abort.trip(f"stage {first.stage} timed out waiting for the input of {first}")
+    return PipelineTimeout(
+        f"stage {first.stage} timed out after {step.timeout:g}s waiting for the input of action "
+        f"{first} (micro-batch {first.microbatch}); waiting: {waits}. The stage that should send "
+        f"it is stuck or slow: raise Pipe(timeout=...) if stages are this slow",
+        stage=first.stage, action=str(first), microbatch=first.microbatch)

@@ -30,6 +30,8 @@ class Stage:
     def forward(self, inputs: Any, seed: int, checkpoint: bool) -> Any:
         """Run the stage on one micro-batch; with ``checkpoint`` keep only what recompute needs."""
         def run(x: Any) -> Any:
+            if self.rng.stochastic is False:  # probed this step: draws no random numbers
+                return self.module(x)
             with self.rng.scope(seed):
                 return self.module(x)
         return checkpointed(run, inputs) if checkpoint else run(inputs)

@@ -51,11 +51,12 @@ class StepState:
     saved: Dict[Tuple[int, int], Tuple[list, list]] = field(default_factory=dict)
     losses: Dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: Dict[int, Any] = field(default_factory=dict)
-    progress: List[str] = field(default_factory=list)
+    progress: List[Tuple[str, Optional[Action]]] = field(default_factory=list)
     completed: int = 0
+    busy: List[float] = field(default_factory=list)  # seconds spent in actions, per worker
 
     def __post_init__(self) -> None:
-        self.mailboxes = [Mailbox(stage.index, self.abort) for stage in self.stages]
+        self.mailboxes: List[Mailbox] = []  # wired by the executor
         self._lock = threading.Lock()
         self.autocast = _ambient_autocast({stage.device.type for stage in self.stages})
 
@@ -71,10 +72,9 @@ class StepState:
     def last(self) -> int:
         return len(self.stages) - 1
 
-    def done(self, worker: int, action: Action) -> None:
-        with self._lock:
-            self.completed += 1
-            self.progress[worker] = f"finished {action}"
+    def done(self) -> None:
+        """Count a finished action (the executor's watchdog only looks for change)."""
+        self.completed += 1
 
 
 def _ambient_autocast(device_types: Set[str]) -> List[Tuple[str, torch.dtype]]:
@@ -83,8 +83,21 @@ def _ambient_autocast(device_types: Set[str]) -> List[Tuple[str, torch.dtype]]:
             if torch.is_autocast_enabled(kind)]
 
 
+_BARE = object()  # the spec of a value that is a single tensor (the common case, kept fast)
+
+
+def _flatten(value: Any) -> Tuple[List[Any], Any]:
+    if isinstance(value, torch.Tensor):
+        return [value], _BARE
+    return pytree.tree_flatten(value)
+
+
+def _unflatten(leaves: List[Any], spec: Any) -> Any:
+    return leaves[0] if spec is _BARE else pytree.tree_unflatten(leaves, spec)
+
+
 def _send(step: StepState, dst: int, key: Tuple[str, int], value: Any, detach: bool) -> None:
-    leaves, spec = pytree.tree_flatten(value)
+    leaves, spec = _flatten(value)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     flags = [t.requires_grad for t in tensors]
     if detach:
@@ -94,8 +107,18 @@ def _send(step: StepState, dst: int, key: Tuple[str, int], value: Any, detach: b
     step.mailboxes[dst].put(key, Message(spec, constants, parcel, flags))
 
 
+def is_ready(step: StepState, stage: Stage, action: Action) -> bool:
+    """Whether ``action`` can run now without waiting: its input has arrived (or it needs none)."""
+    if action.kind == ActionKind.FORWARD:
+        return stage.index == 0 or step.mailboxes[stage.index].has(("act", action.microbatch))
+    if action.kind == ActionKind.BACKWARD:
+        return (stage.index == step.last
+                or step.mailboxes[stage.index].has(("grad", action.microbatch)))
+    return True
+
+
 def _receive(step: StepState, stage: Stage, key: Tuple[str, int], action: Action) -> Message:
-    message = step.mailboxes[stage.index].get(key, step.timeout, str(action), action.microbatch)
+    message = step.mailboxes[stage.index].take(key)
     message.parcel.tensors = land(message.parcel, stage.device)
     return message
 
@@ -109,8 +132,7 @@ def _stage_input(step: StepState, stage: Stage, action: Action) -> Tuple[Any, Li
     """The micro-batch input of ``stage`` and, for training, its boundary leaf tensors."""
     mb = action.microbatch
     if stage.index == 0:
-        value = step.inputs[mb]
-        leaves, spec = pytree.tree_flatten(value)
+        leaves, spec = _flatten(step.inputs[mb])
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         moved = iter(land(ship(tensors, stage.device), stage.device))
         leaves = [next(moved) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -121,10 +143,10 @@ def _stage_input(step: StepState, stage: Stage, action: Action) -> Tuple[Any, Li
         moved = iter(message.parcel.tensors)
         leaves = [next(moved) if x is _TENSOR else x for x in message.constants]
     if not step.train:
-        return pytree.tree_unflatten(leaves, spec), []
+        return _unflatten(leaves, spec), []
     flag_it = iter(flags)
     leaves = [_as_leaf(x, next(flag_it)) if isinstance(x, torch.Tensor) else x for x in leaves]
-    return pytree.tree_unflatten(leaves, spec), [x for x in leaves if isinstance(x, torch.Tensor)]
+    return _unflatten(leaves, spec), [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def _last_stage_output(step: StepState, stage: Stage, mb: int, output: Any,
@@ -132,12 +154,10 @@ def _last_stage_output(step: StepState, stage: Stage, mb: int, output: Any,
     if step.loss_fn is None:
         step.outputs[mb] = output
         return
-    target = step.targets[mb]
-    leaves, spec = pytree.tree_flatten(target)
+    leaves, spec = _flatten(step.targets[mb])
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     moved = iter(land(ship(tensors, stage.device), stage.device))
-    target = pytree.tree_unflatten(
-        [next(moved) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    target = _unflatten([next(moved) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
     loss = step.loss_fn(output, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError(f"loss_fn must return a 0-dim tensor, got {type(loss).__name__} "
@@ -157,7 +177,7 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
         _last_stage_output(step, stage, mb, output, boundary)
         return
     if step.train:
-        outs = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
+        outs = [x for x in _flatten(output)[0] if isinstance(x, torch.Tensor)]
         step.saved[(stage.index, mb)] = (boundary, outs)
     _send(step, stage.index + 1, ("act", mb), output, detach=step.train)
 
