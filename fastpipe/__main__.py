@@ -7,8 +7,10 @@ from typing import List, Optional
 USAGE = """usage: python -m fastpipe COMMAND [options]
 
 commands:
-  info    versions, native library status, CUDA and Triton availability
-  demo    train a small GPT through a pipeline (python -m fastpipe demo --help)
+  info      versions, native library status, CUDA and Triton availability
+  demo      train a small GPT through a pipeline (python -m fastpipe demo --help)
+  schedule  print a schedule as a table of actions, with its validation report
+            (python -m fastpipe schedule 1f1b --stages 4 --chunks 8)
 """
 
 
@@ -23,12 +25,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .info import format_info
         print(format_info())
         return 0
+    if command == "schedule":
+        return _schedule(rest)
     if command == "demo":
         from .demo import main as demo
         demo(rest)
         return 0
     print(f"unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
+
+
+def _schedule(argv: List[str]) -> int:
+    """Print a schedule's action table, its peak in-flight micro-batches and unit-cost bubble."""
+    import argparse
+
+    from .schedule import SCHEDULES, get_schedule
+    parser = argparse.ArgumentParser(prog="python -m fastpipe schedule")
+    parser.add_argument("name", choices=sorted(SCHEDULES))
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=8)
+    args = parser.parse_args(argv)
+    schedule = get_schedule(args.name, args.stages, args.chunks)
+    report = schedule.validate()
+    print(schedule.format_table())
+    print(f"peak in-flight micro-batches per stage: {list(report.peak_inflight)}")
+    print(f"makespan with unit-time actions: {report.num_steps} rounds, "
+          f"bubble {report.bubble_fraction:.1%}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -59,8 +59,7 @@ class Pipe(nn.Module):
         self._checkpoint = check_mode(checkpoint)
         self._timeout = check_timeout(timeout)
         workers = check_workers(cpu_workers)
-        get_schedule(schedule, 1, 1)  # raises for an unknown name, before anything moves
-        self._schedule_name = schedule
+        self._schedule_name = get_schedule(schedule, 1, 1).name  # raises for an unknown name
         if balance is None:
             balance = auto_balance(module, default_partitions(module, devices))
         self._balance = tuple(check_balance(balance, module))
@@ -163,7 +162,11 @@ class Pipe(nn.Module):
         return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
 
     def _run(self, programs: Sequence[Sequence[Any]], step: StepState, schedule: Schedule) -> None:
-        self._workers.executor().run(programs, step, _virtual_stage(schedule))
+        _order_streams(self._stages, before=True)
+        try:
+            self._workers.executor().run(programs, step, _virtual_stage(schedule))
+        finally:
+            _order_streams(self._stages, before=False)
         self._workers.observe(step)
 
     def _new_step(self, inputs: List[Any], *, train: bool, grad_enabled: bool, stop: int,
@@ -215,6 +218,19 @@ def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     schedule = get_schedule(name, num_stages, num_microbatches)
     schedule.validate()
     return schedule
+
+
+def _order_streams(stages: Sequence[Stage], *, before: bool) -> None:
+    """Order the stages' CUDA streams after the caller's work (parameters just updated by an
+    optimizer, inputs just made) before a step, and the caller's streams after the stages' work
+    (gradients, outputs) once it ends. A no-op for CPU stages."""
+    for stage in stages:
+        if stage.stream is not None:
+            caller = torch.cuda.current_stream(stage.device)
+            if before:
+                stage.stream.wait_stream(caller)
+            else:
+                caller.wait_stream(stage.stream)
 
 
 def _virtual_stage(schedule: Schedule) -> Callable[[Any], int]:

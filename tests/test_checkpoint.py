@@ -117,3 +117,22 @@ def test_each_microbatch_and_stage_draws_its_own_numbers():
         first = fastpipe.Pipe(nn.Sequential(nn.Dropout(0.5), nn.Identity()), chunks=1,
                               balance=[1, 1], devices=["cpu"] * 2)(torch.ones(1, 64))
     assert (first != 0).float().mean().item() not in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_recompute_does_not_count_batch_norm_statistics_twice(schedule):
+    base = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
+                         nn.BatchNorm1d(8), nn.Linear(8, 2))
+    x, y = torch.randn(12, 6), torch.randn(12, 2)
+    stats = {}
+    for mode in ("never", "always"):
+        model = copy.deepcopy(base)
+        pipe = fastpipe.Pipe(model, chunks=3, balance=[3, 3], devices=["cpu"] * 2,
+                             checkpoint=mode, schedule=schedule)
+        for _ in range(2):
+            pipe.train_step(x, y, nn.MSELoss())
+        stats[mode] = {k: v.clone() for k, v in model.state_dict().items() if "running" in k
+                       or "num_batches" in k}
+    assert stats["always"]["1.num_batches_tracked"].item() == 6  # 3 micro-batches x 2 steps
+    for key, value in stats["never"].items():
+        torch.testing.assert_close(stats["always"][key], value, rtol=0, atol=0, msg=key)

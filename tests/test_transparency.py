@@ -173,3 +173,30 @@ def test_autocast_reaches_the_stage_threads(schedule):
     torch.testing.assert_close(out, expected_out, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(loss, expected_loss, rtol=2e-2, atol=2e-2)
     assert_same_grads(grads_of(model), expected, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("cpu_workers", [1, 2])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_executor_holds_what_the_schedule_promises(schedule, cpu_workers):
+    """Peak micro-batches held per stage equal the validator's figure: 1F1B really bounds memory."""
+    pipe = fastpipe.Pipe(mlp(depth=8), chunks=8, balance=[2, 2, 2, 2], devices=["cpu"] * 4,
+                         schedule=schedule, cpu_workers=cpu_workers)
+    seen = []
+    observe = pipe._workers.observe
+    pipe._workers.observe = lambda step: (seen.append(dict(step.peak_inflight)), observe(step))
+    pipe.train_step(torch.randn(16, 8), torch.randn(16, 4), nn.MSELoss())
+    expected = pipe.plan().validate().peak_inflight
+    assert tuple(seen[0][s] for s in range(4)) == tuple(expected)
+    assert expected == ((8, 8, 8, 8) if schedule == "gpipe" else (4, 3, 2, 1))
+
+
+def test_balance_by_time_feeds_pipe():
+    model = mlp(depth=6)
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    balance = fastpipe.balance.by_time(3, model, x[:2])
+    assert sum(balance) == 6 and len(balance) == 3
+    pipe = fastpipe.Pipe(model, chunks=2, balance=balance, devices=["cpu"] * 3)
+    expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+    torch.testing.assert_close(pipe.train_step(x, y, nn.MSELoss()), expected_loss)
+    assert_same_grads(grads_of(model), expected)

@@ -47,13 +47,19 @@ class LocalExecutor:
         if len(programs) != sum(len(g) for g in self.groups):
             raise ValueError(f"expected {sum(len(g) for g in self.groups)} stage programs, "
                              f"got {len(programs)}")
-        with self._lock:  # one step at a time per pipeline
+        if not self._lock.acquire(timeout=step.timeout):  # one step at a time per pipeline
+            raise PipelineTimeout(
+                f"another step of this pipeline has been running for over {step.timeout:g}s; "
+                f"run the steps of one Pipe one after another")
+        try:
             bells = self._wire(programs, step, virtual_stage)
             jobs = [self._pool.submit(self._work, step, w, group, programs, virtual_stage, bells[w])
                     for w, group in enumerate(self.groups)]
             self._watch(jobs, step)
             futures.wait(jobs, timeout=step.timeout + 1.0)  # the others stop at their next check
             self._raise_first(jobs, step)
+        finally:
+            self._lock.release()
 
     @staticmethod
     def _watch(jobs: List["futures.Future[None]"], step: StepState) -> None:

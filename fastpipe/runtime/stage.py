@@ -7,7 +7,7 @@ from typing import Any, ContextManager, Optional
 import torch
 from torch import nn
 
-from ..checkpoint import RngReplay, checkpointed
+from ..checkpoint import RngReplay, checkpointed, is_recomputing
 
 
 class Stage:
@@ -20,6 +20,8 @@ class Stage:
         self.rng = RngReplay(device)
         self.stream: Optional["torch.cuda.Stream"] = (
             torch.cuda.Stream(device) if device.type == "cuda" else None)
+        self._norms = [m for m in module.modules()
+                       if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
     def context(self) -> ContextManager[Any]:
         """The stream (CUDA) in which this stage's work is issued; a no-op on the CPU."""
@@ -30,11 +32,34 @@ class Stage:
     def forward(self, inputs: Any, seed: int, checkpoint: bool) -> Any:
         """Run the stage on one micro-batch; with ``checkpoint`` keep only what recompute needs."""
         def run(x: Any) -> Any:
-            if self.rng.stochastic is False:  # probed this step: draws no random numbers
-                return self.module(x)
-            with self.rng.scope(seed):
-                return self.module(x)
+            with self._keep_running_stats():
+                if self.rng.stochastic is False:  # probed this step: draws no random numbers
+                    return self.module(x)
+                with self.rng.scope(seed):
+                    return self.module(x)
         return checkpointed(run, inputs) if checkpoint else run(inputs)
+
+    @contextlib.contextmanager
+    def _keep_running_stats(self) -> Any:
+        """While recomputing, leave batch-norm running statistics as the first forward left them
+        (otherwise a checkpointed micro-batch would be counted twice)."""
+        if not self._norms or not is_recomputing():
+            yield
+            return
+        saved = [[b.clone() for b in _stats(m)] for m in self._norms]
+        try:
+            yield
+        finally:
+            # ``.data``: batch norm saves its running statistics for backward (which does not
+            # read them in training mode); restoring through .data keeps their version counter.
+            for m, values in zip(self._norms, saved):
+                for buffer, value in zip(_stats(m), values):
+                    buffer.data.copy_(value)
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, {len(self.module)} layers, {self.device})"
+
+
+def _stats(norm: nn.Module) -> list:
+    return [b for b in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
+            if b is not None]

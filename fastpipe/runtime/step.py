@@ -54,6 +54,8 @@ class StepState:
     progress: List[Tuple[str, Optional[Action]]] = field(default_factory=list)
     completed: int = 0
     busy: List[float] = field(default_factory=list)  # seconds spent in actions, per worker
+    inflight: Dict[int, int] = field(default_factory=dict)  # micro-batches held, per stage
+    peak_inflight: Dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.mailboxes: List[Mailbox] = []  # wired by the executor
@@ -71,6 +73,12 @@ class StepState:
     @property
     def last(self) -> int:
         return len(self.stages) - 1
+
+    def hold(self, stage: int, delta: int) -> None:
+        """Count micro-batches whose activations a stage holds for backward (and the peak)."""
+        count = self.inflight.get(stage, 0) + delta
+        self.inflight[stage] = count
+        self.peak_inflight[stage] = max(self.peak_inflight.get(stage, 0), count)
 
     def done(self) -> None:
         """Count a finished action (the executor's watchdog only looks for change)."""
@@ -165,6 +173,7 @@ def _last_stage_output(step: StepState, stage: Stage, mb: int, output: Any,
     loss = loss * step.loss_weights[mb]
     step.losses[mb] = loss.detach()
     step.saved[(stage.index, mb)] = (boundary, [loss])
+    step.hold(stage.index, 1)
 
 
 def forward_action(step: StepState, stage: Stage, action: Action) -> None:
@@ -179,6 +188,7 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
     if step.train:
         outs = [x for x in _flatten(output)[0] if isinstance(x, torch.Tensor)]
         step.saved[(stage.index, mb)] = (boundary, outs)
+        step.hold(stage.index, 1)
     _send(step, stage.index + 1, ("act", mb), output, detach=step.train)
 
 
@@ -186,6 +196,7 @@ def backward_action(step: StepState, stage: Stage, action: Action) -> None:
     """B: backpropagate one micro-batch through the stage and send the input gradient back."""
     mb = action.microbatch
     boundary, outputs = step.saved.pop((stage.index, mb))
+    step.hold(stage.index, -1)
     if stage.index == step.last:
         grads: Sequence[Optional[torch.Tensor]] = [torch.ones_like(outputs[0])]
     else:

@@ -1,0 +1,32 @@
+import re
+
+from fastpipe.__main__ import main
+
+
+def test_schedule_command_prints_the_table(capsys):
+    assert main(["schedule", "1f1b", "--stages", "2", "--chunks", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 0 | 0F0 0F1 0B0 0F2 0B1 0B2" in out
+    assert "peak in-flight micro-batches per stage: [2, 1]" in out
+    assert "bubble 25.0%" in out  # (p-1)/(m+p-1) with unit costs
+
+
+def test_info_command(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch:" in out and "native library:" in out
+
+
+def test_unknown_command_and_usage(capsys):
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+
+
+def test_demo_trains_and_reports(capsys):
+    main(["demo", "--steps", "3", "--layers", "2", "--batch", "8", "--seq", "8"])
+    out = capsys.readouterr().out
+    assert "stage 0 on cpu" in out and "stage 1 on cpu" in out
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)  ", out)]
+    assert len(losses) == 3 and all(loss > 0 for loss in losses)
+    assert "samples/s" in out
