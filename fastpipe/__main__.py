@@ -11,6 +11,8 @@ commands:
   demo      train a small GPT through a pipeline (python -m fastpipe demo --help)
   schedule  print a schedule as a table of actions, with its validation report
             (python -m fastpipe schedule 1f1b --stages 4 --chunks 8)
+  simulate  time a schedule under given costs, draw its timeline, compare with closed forms
+            (python -m fastpipe simulate --schedule 1f1b --stages 4 --chunks 8 --costs 1,2,0)
 """
 
 
@@ -27,6 +29,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if command == "schedule":
         return _schedule(rest)
+    if command == "simulate":
+        from .cli_simulate import main as simulate
+        return simulate(rest)
     if command == "demo":
         from .demo import main as demo
         demo(rest)

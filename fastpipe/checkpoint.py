@@ -49,6 +49,16 @@ def _flag(name: str) -> Iterator[None]:
         setattr(_local, name, previous)
 
 
+def checkpointing() -> contextlib.AbstractContextManager:
+    """Marks, on this thread, a forward pass whose activations are dropped for recomputation."""
+    return _flag("checkpointing")
+
+
+def recomputing() -> contextlib.AbstractContextManager:
+    """Marks, on this thread, the recomputation of a checkpointed forward pass."""
+    return _flag("recomputing")
+
+
 def check_mode(checkpoint: str) -> str:
     """Validate a checkpoint mode name, raising ``ValueError`` that lists the valid ones."""
     if checkpoint not in MODES:

@@ -7,6 +7,7 @@ accumulating exactly the gradients that the unsplit module gives on the whole ba
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -15,10 +16,12 @@ from torch import nn
 
 from . import microbatch
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
-from .placement import (Device, auto_balance, check_balance, check_chunks, check_module,
-                        check_timeout, check_workers, default_partitions, resolve_devices, split)
+from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
+                        check_module, check_timeout, check_virtual_stages, check_workers,
+                        default_partitions, resolve_devices, split)
 from .runtime.stage import Stage
 from .runtime.step import StepState
+from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
 from .schedule import ActionKind, Schedule, get_schedule
 
@@ -38,7 +41,11 @@ class Pipe(nn.Module):
             ``fastpipe.balance.by_time`` / ``by_size`` give profiled balances.
         checkpoint: ``'never'``, ``'except_last'`` (all micro-batches but the last recompute their
             forward in backward) or ``'always'``.
-        schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``).
+        schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
+            ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ...).
+        virtual_stages: model chunks per device, for interleaved and V-shaped schedules; then
+            ``balance`` lists ``len(devices) * virtual_stages`` chunk sizes in model order and
+            the schedule's placement decides which device holds which chunk.
         timeout: seconds any stage may wait for an input (and any action may run) before the
             step fails with an error naming the stage, the action and the micro-batch.
         cpu_workers: threads that run the CPU stages (consecutive stages share a thread when
@@ -51,27 +58,37 @@ class Pipe(nn.Module):
     def __init__(self, module: nn.Sequential, chunks: int = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
-                 schedule: str = "gpipe", *, timeout: float = 300.0,
+                 schedule: str = "gpipe", *, virtual_stages: int = 1, timeout: float = 300.0,
                  cpu_workers: Optional[int] = None) -> None:
         super().__init__()
         module = check_module(module)
         self._chunks = check_chunks(chunks)
         self._checkpoint = check_mode(checkpoint)
         self._timeout = check_timeout(timeout)
+        self._virtual = check_virtual_stages(virtual_stages)
         workers = check_workers(cpu_workers)
         self._schedule_name = get_schedule(schedule, 1, 1).name  # raises for an unknown name
+        v = self._virtual
+        if len(module) < v:
+            raise ValueError(f"virtual_stages={v} needs at least {v} layers per device but the "
+                             f"module has {len(module)}; lower virtual_stages")
         if balance is None:
-            balance = auto_balance(module, default_partitions(module, devices))
+            stages = max(1, min(default_partitions(module, devices), len(module) // v))
+            balance = auto_balance(module, stages * v)
         self._balance = tuple(check_balance(balance, module))
-        self._devices = tuple(resolve_devices(devices, len(self._balance)))
+        num_stages = check_chunk_count(len(self._balance), v)
+        self._devices = tuple(resolve_devices(devices, num_stages))
+        plan = self.plan(self._chunks)  # raises for a schedule that cannot run this layout
         self.module = module
         parts = split(module, self._balance)
-        for part, device in zip(parts, self._devices):
+        where = [self._devices[plan.stage_of(k)[0]] for k in range(len(parts))]
+        for part, device in zip(parts, where):
             part.to(device)
         object.__setattr__(self, "_partitions", nn.ModuleList(parts))
-        object.__setattr__(self, "_stages", [Stage(i, part, device) for i, (part, device)
-                                             in enumerate(zip(parts, self._devices))])
+        object.__setattr__(self, "_stages", [Stage(k, part, device) for k, (part, device)
+                                             in enumerate(zip(parts, where))])
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
+        object.__setattr__(self, "_trace", None)
 
     # ---------------------------------------------------------------- read-only properties
     @property
@@ -109,9 +126,29 @@ class Pipe(nn.Module):
         """The schedule's name; ``plan(m)`` gives the schedule itself."""
         return self._schedule_name
 
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per device (``partitions`` has ``len(devices) * virtual_stages``)."""
+        return self._virtual
+
     def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
         """The validated schedule this pipe runs for ``num_microbatches`` (default ``chunks``)."""
-        return _schedule(self._schedule_name, len(self._stages), num_microbatches or self._chunks)
+        return _schedule(self._schedule_name, len(self._devices),
+                         num_microbatches or self._chunks, self._virtual)
+
+    @contextlib.contextmanager
+    def trace(self) -> Iterator[Trace]:
+        """Record the real start and end of every action of the steps run inside the block.
+
+        ``with pipe.trace() as t: pipe.train_step(...)``; then ``t.timeline`` (the same format
+        the simulator returns), ``t.bubble_fraction`` and ``t.busy`` describe the last step.
+        """
+        trace = Trace()
+        object.__setattr__(self, "_trace", trace)
+        try:
+            yield trace
+        finally:
+            object.__setattr__(self, "_trace", None)
 
     # ---------------------------------------------------------------- running
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -139,11 +176,14 @@ class Pipe(nn.Module):
                               stop=checkpoint_stop(self._checkpoint, len(sizes)),
                               targets=microbatch.scatter(targets, sizes), loss_fn=loss_fn,
                               loss_weights=weights)
+        step.split = {(schedule.virtual_stage(a.stage, a.chunk), a.microbatch)
+                      for row in schedule.actions for a in row if a.kind == ActionKind.WEIGHT}
         self._run(schedule.actions, step, schedule)
         return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
 
     def forward(self, inputs: Any) -> Any:
-        """Run the batch through the stages (fill-and-drain); the output is on the last device.
+        """Run the batch through the stages (the forward actions of the pipe's schedule); the
+        output is on the last stage's device.
 
         When grad is enabled the output is connected to every stage's parameters, so
         ``loss_fn(pipe(x), y).backward()`` works as with the plain module (the backward then runs
@@ -151,7 +191,7 @@ class Pipe(nn.Module):
         """
         total = microbatch.batch_size(inputs, argument="inputs")
         sizes = microbatch.split_sizes(total, self._chunks)
-        schedule = _schedule("gpipe", len(self._stages), len(sizes))
+        schedule = self.plan(len(sizes))
         programs = [[a for a in actions if a.kind == ActionKind.FORWARD]
                     for actions in schedule.actions]
         grad = torch.is_grad_enabled()
@@ -162,12 +202,17 @@ class Pipe(nn.Module):
         return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
 
     def _run(self, programs: Sequence[Sequence[Any]], step: StepState, schedule: Schedule) -> None:
+        trace = self._trace
+        if trace is not None:
+            step.recorder = StepRecorder(len(self._devices))
         _order_streams(self._stages, before=True)
         try:
             self._workers.executor().run(programs, step, _virtual_stage(schedule))
         finally:
             _order_streams(self._stages, before=False)
         self._workers.observe(step)
+        if trace is not None:
+            trace.timelines.append(step.recorder.timeline(dict(enumerate(self._devices))))
 
     def _new_step(self, inputs: List[Any], *, train: bool, grad_enabled: bool, stop: int,
                   **kwargs: Any) -> StepState:
@@ -214,9 +259,10 @@ class Pipe(nn.Module):
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    schedule = get_schedule(name, num_stages, num_microbatches)
-    schedule.validate()
+def _schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    kwargs = {"virtual_stages": virtual_stages} if virtual_stages != 1 else {}
+    schedule = get_schedule(name, num_stages, num_microbatches, **kwargs)
+    schedule.validate(comm="buffered")  # the local executor's mailboxes buffer every send
     return schedule
 
 

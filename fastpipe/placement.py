@@ -154,3 +154,21 @@ def worker_groups(devices: Sequence[torch.device], cpu_workers: Optional[int]) -
             groups.append(cpu[start:end])
             start = end
     return sorted(groups)
+
+
+def check_virtual_stages(virtual_stages: object) -> int:
+    """``virtual_stages``: model chunks per device, an int >= 1."""
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) \
+            or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be a positive int (model chunks per device), "
+                         f"got {virtual_stages!r}")
+    return virtual_stages
+
+
+def check_chunk_count(chunks: int, virtual_stages: int) -> int:
+    """The number of devices (physical stages) for ``chunks`` model chunks."""
+    if chunks % virtual_stages:
+        raise ValueError(f"balance has {chunks} entries, which is not a multiple of "
+                         f"virtual_stages={virtual_stages}; give one layer count per model chunk "
+                         f"(devices x virtual_stages entries)")
+    return chunks // virtual_stages

@@ -10,7 +10,7 @@ from fastpipe.schedule import (
     lower,
     one_f_one_b,
     peak_inflight,
-    simulate,
+    run_lockstep,
     validate,
 )
 
@@ -149,7 +149,7 @@ def test_wrong_stage_index_in_a_row():
 def test_unbatched_1f1b_deadlocks():
     schedule = one_f_one_b(2, 2)
     with pytest.raises(ScheduleError) as info:
-        simulate(schedule, lower(schedule, batched=False))
+        run_lockstep(schedule, lower(schedule, batched=False))
     assert str(info.value) == (
         "schedule '1f1b' deadlocks after 4 rounds; blocked stages and their pending ops:\n"
         "  stage 0: blocked after 0F1 at [send act1 v0->1]: "
@@ -163,13 +163,13 @@ def test_unbatched_1f1b_deadlocks():
 def test_unbatched_1f1b_deadlocks_whenever_it_has_a_steady_state(p, m):
     schedule = one_f_one_b(p, m)
     with pytest.raises(ScheduleError, match="deadlocks"):
-        simulate(schedule, lower(schedule, batched=False))
-    simulate(schedule, lower(schedule))  # batched: fine
+        run_lockstep(schedule, lower(schedule, batched=False))
+    run_lockstep(schedule, lower(schedule))  # batched: fine
 
 
 def test_unbatched_gpipe_is_fine():
     schedule = gpipe(3, 4)
-    steps = simulate(schedule, lower(schedule, batched=False))
+    steps = run_lockstep(schedule, lower(schedule, batched=False))
     assert steps == validate(schedule).action_steps
 
 
@@ -197,7 +197,7 @@ def test_deadlock_message_reports_finished_stages():
     # drop stage 1's final gradient send: stage 1 finishes, stage 0 waits forever
     broken = (programs[0], programs[1][:-1])
     with pytest.raises(ScheduleError) as info:
-        simulate(schedule, broken)
+        run_lockstep(schedule, broken)
     message = str(info.value)
     assert "stage 1: finished" in message
     assert "stage 0: blocked after 0F0 at [send act0 v0->1 | recv grad0 v0<-1]: " in message

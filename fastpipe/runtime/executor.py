@@ -141,10 +141,14 @@ class LocalExecutor:
         start = time.perf_counter()
         try:
             if stage.stream is None:
+                token = step.recorder.begin(stage) if step.recorder else None
                 self.handlers[action.kind](step, stage, action)
             else:
                 with stage.context():
+                    token = step.recorder.begin(stage) if step.recorder else None
                     self.handlers[action.kind](step, stage, action)
+            if step.recorder:
+                step.recorder.end(stage, action, token)
         except PipelineError as error:
             step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
             raise

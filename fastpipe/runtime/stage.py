@@ -29,15 +29,25 @@ class Stage:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.stream)
 
+    def run(self, inputs: Any, seed: int) -> Any:
+        """The stage's layers on one micro-batch, drawing random numbers from ``seed`` (so a
+        recomputation with the same seed draws the same ones)."""
+        with self._keep_running_stats():
+            if self.rng.stochastic is False:  # probed this step: draws no random numbers
+                return self.module(inputs)
+            with self.rng.scope(seed):
+                return self.module(inputs)
+
     def forward(self, inputs: Any, seed: int, checkpoint: bool) -> Any:
-        """Run the stage on one micro-batch; with ``checkpoint`` keep only what recompute needs."""
-        def run(x: Any) -> Any:
-            with self._keep_running_stats():
-                if self.rng.stochastic is False:  # probed this step: draws no random numbers
-                    return self.module(x)
-                with self.rng.scope(seed):
-                    return self.module(x)
-        return checkpointed(run, inputs) if checkpoint else run(inputs)
+        """``run`` with, if ``checkpoint``, only the input kept for a recomputation in backward
+        (an autograd function, so the output can be backpropagated by the caller)."""
+        if not checkpoint:
+            return self.run(inputs, seed)
+        return checkpointed(lambda x: self.run(x, seed), inputs)
+
+    def parameters(self) -> list:
+        """The stage's parameters that take gradients (what a weight-gradient action fills)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
     def _keep_running_stats(self) -> Any:

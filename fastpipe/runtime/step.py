@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from ..checkpoint import backward_pairs, microbatch_seed
+from ..checkpoint import backward_pairs, checkpointing, microbatch_seed, recomputing
 from ..schedule import Action, ActionKind
 from .hop import Parcel, land, ship
 from .mailbox import Abort, Mailbox
@@ -48,12 +48,14 @@ class StepState:
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
     loss_weights: Optional[Sequence[float]] = None
     abort: Abort = field(default_factory=Abort)
-    saved: Dict[Tuple[int, int], Tuple[list, list]] = field(default_factory=dict)
+    split: Set[Tuple[int, int]] = field(default_factory=set)  # (stage, micro-batch) with a W
+    saved: Dict[Tuple[int, int], "Held"] = field(default_factory=dict)
     losses: Dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: Dict[int, Any] = field(default_factory=dict)
     progress: List[Tuple[str, Optional[Action]]] = field(default_factory=list)
     completed: int = 0
     busy: List[float] = field(default_factory=list)  # seconds spent in actions, per worker
+    recorder: Optional[Any] = None  # a trace.StepRecorder while the pipe is traced
     inflight: Dict[int, int] = field(default_factory=dict)  # micro-batches held, per stage
     peak_inflight: Dict[int, int] = field(default_factory=dict)
 
@@ -104,10 +106,14 @@ def _unflatten(leaves: List[Any], spec: Any) -> Any:
     return leaves[0] if spec is _BARE else pytree.tree_unflatten(leaves, spec)
 
 
-def _send(step: StepState, dst: int, key: Tuple[str, int], value: Any, detach: bool) -> None:
+def _send(step: StepState, dst: int, key: Tuple[str, int], value: Any, detach: bool,
+          differentiable: bool = False) -> None:
+    """Ship ``value`` to stage ``dst``. ``differentiable`` marks floating-point tensors as
+    wanting a gradient even without a graph (a checkpointed forward ran without one)."""
     leaves, spec = _flatten(value)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    flags = [t.requires_grad for t in tensors]
+    flags = [t.requires_grad or (differentiable and (t.is_floating_point() or t.is_complex()))
+             for t in tensors]
     if detach:
         tensors = [t.detach() for t in tensors]
     parcel = ship(tensors, step.stages[dst].device)
@@ -157,58 +163,129 @@ def _stage_input(step: StepState, stage: Stage, action: Action) -> Tuple[Any, Li
     return _unflatten(leaves, spec), [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
-def _last_stage_output(step: StepState, stage: Stage, mb: int, output: Any,
-                       boundary: List[torch.Tensor]) -> None:
-    if step.loss_fn is None:
-        step.outputs[mb] = output
-        return
+@dataclass
+class Held:
+    """What a stage keeps of one micro-batch between its forward and its backward actions."""
+
+    boundary: List[torch.Tensor]  # the stage's input leaves (their .grad goes upstream)
+    inputs: Any = None  # the whole input, kept only to recompute a checkpointed forward
+    outputs: List[torch.Tensor] = field(default_factory=list)  # tensors to backprop from
+    grads: List[Optional[torch.Tensor]] = field(default_factory=list)  # kept for W
+
+
+def _target(step: StepState, stage: Stage, mb: int) -> Any:
     leaves, spec = _flatten(step.targets[mb])
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     moved = iter(land(ship(tensors, stage.device), stage.device))
-    target = _unflatten([next(moved) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-    loss = step.loss_fn(output, target)
+    return _unflatten([next(moved) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def _loss(step: StepState, stage: Stage, mb: int, output: Any) -> torch.Tensor:
+    loss = step.loss_fn(output, _target(step, stage, mb))
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError(f"loss_fn must return a 0-dim tensor, got {type(loss).__name__} "
                         f"{tuple(getattr(loss, 'shape', ()))}; reduce the loss to a scalar")
-    loss = loss * step.loss_weights[mb]
-    step.losses[mb] = loss.detach()
-    step.saved[(stage.index, mb)] = (boundary, [loss])
-    step.hold(stage.index, 1)
+    return loss * step.loss_weights[mb]
+
+
+def _backprop_roots(step: StepState, stage: Stage, mb: int, output: Any) -> List[torch.Tensor]:
+    """The tensors a stage's backward starts from: the weighted loss on the last stage, else
+    the stage's tensor outputs."""
+    if stage.index == step.last:
+        loss = _loss(step, stage, mb, output)
+        step.losses.setdefault(mb, loss.detach())
+        return [loss]
+    return [x for x in _flatten(output)[0] if isinstance(x, torch.Tensor)]
 
 
 def forward_action(step: StepState, stage: Stage, action: Action) -> None:
     """F: run one micro-batch through the stage and pass the result on."""
     mb = action.microbatch
     inputs, boundary = _stage_input(step, stage, action)
+    seed = microbatch_seed(step.seed, stage.index, mb)
     checkpoint = step.grad_enabled and mb < step.checkpoint_stop
-    output = stage.forward(inputs, microbatch_seed(step.seed, stage.index, mb), checkpoint)
-    if stage.index == step.last:
-        _last_stage_output(step, stage, mb, output, boundary)
+    if not step.train:
+        output = stage.forward(inputs, seed, checkpoint)
+        if stage.index == step.last:
+            step.outputs[mb] = output
+        else:
+            _send(step, stage.index + 1, ("act", mb), output, detach=False)
         return
-    if step.train:
-        outs = [x for x in _flatten(output)[0] if isinstance(x, torch.Tensor)]
-        step.saved[(stage.index, mb)] = (boundary, outs)
-        step.hold(stage.index, 1)
-    _send(step, stage.index + 1, ("act", mb), output, detach=step.train)
+    if checkpoint:  # keep the input only; backward recomputes the forward
+        with torch.no_grad(), checkpointing():
+            output = stage.run(inputs, seed)
+        held = Held(boundary, inputs=inputs)
+        if stage.index == step.last:
+            with torch.no_grad():
+                step.losses[mb] = _loss(step, stage, mb, output).detach()
+    else:
+        output = stage.run(inputs, seed)
+        held = Held(boundary, outputs=_backprop_roots(step, stage, mb, output))
+    step.saved[(stage.index, mb)] = held
+    step.hold(stage.index, 1)
+    if stage.index != step.last:
+        _send(step, stage.index + 1, ("act", mb), output, detach=True, differentiable=checkpoint)
+
+
+def _recompute(step: StepState, stage: Stage, mb: int, held: Held) -> None:
+    with torch.enable_grad(), recomputing():
+        output = stage.run(held.inputs, microbatch_seed(step.seed, stage.index, mb))
+        held.outputs = _backprop_roots(step, stage, mb, output)
+    held.inputs = None
 
 
 def backward_action(step: StepState, stage: Stage, action: Action) -> None:
-    """B: backpropagate one micro-batch through the stage and send the input gradient back."""
+    """B: backpropagate one micro-batch and send the input gradient back. When the schedule
+    has a W for it, B computes the input gradient only and keeps the graph for W."""
     mb = action.microbatch
-    boundary, outputs = step.saved.pop((stage.index, mb))
-    step.hold(stage.index, -1)
+    held = step.saved[(stage.index, mb)]
+    if held.inputs is not None:
+        _recompute(step, stage, mb, held)
     if stage.index == step.last:
-        grads: Sequence[Optional[torch.Tensor]] = [torch.ones_like(outputs[0])]
+        grads: List[Optional[torch.Tensor]] = [torch.ones_like(held.outputs[0])]
     else:
-        grads = _receive(step, stage, ("grad", mb), action).parcel.tensors
-    backward_pairs(outputs, grads)
+        grads = list(_receive(step, stage, ("grad", mb), action).parcel.tensors)
+    if (stage.index, mb) in step.split:
+        input_grads = _input_grads(held, grads)
+        held.grads = grads
+    else:
+        backward_pairs(held.outputs, grads)
+        input_grads = [x.grad if x.requires_grad else None for x in held.boundary]
+        _release(step, stage, mb)
     if stage.index > 0:
-        input_grads = [x.grad if x.requires_grad else None for x in boundary]
         parcel = ship(input_grads, step.stages[stage.index - 1].device)
         step.mailboxes[stage.index - 1].put(("grad", mb), Message(None, [], parcel, []))
+
+
+def _input_grads(held: Held, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """Gradients of the stage's loss with respect to its boundary inputs only; keeps the graph."""
+    pairs = [(o, g) for o, g in zip(held.outputs, grads) if g is not None and o.requires_grad]
+    wanted = [x for x in held.boundary if x.requires_grad]
+    if not pairs or not wanted:
+        return [None] * len(held.boundary)
+    found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                     retain_graph=True, allow_unused=True))
+    return [next(found) if x.requires_grad else None for x in held.boundary]
+
+
+def weight_action(step: StepState, stage: Stage, action: Action) -> None:
+    """W: accumulate the stage's weight gradients for a micro-batch whose B already ran."""
+    mb = action.microbatch
+    held = step.saved[(stage.index, mb)]
+    pairs = [(o, g) for o, g in zip(held.outputs, held.grads) if g is not None and o.requires_grad]
+    params = stage.parameters()
+    if pairs and params:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
+    _release(step, stage, mb)
+
+
+def _release(step: StepState, stage: Stage, mb: int) -> None:
+    del step.saved[(stage.index, mb)]
+    step.hold(stage.index, -1)
 
 
 HANDLERS: Dict[ActionKind, Callable[[StepState, Stage, Action], None]] = {
     ActionKind.FORWARD: forward_action,
     ActionKind.BACKWARD: backward_action,
+    ActionKind.WEIGHT: weight_action,
 }

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: the IR, generators, lowering and validation.
+"""Pipeline schedules as data: the IR, generators, lowering, validation and the timed simulator.
 
 Generators are looked up by name in :data:`SCHEDULES`; new ones register with
 :func:`register_schedule`.
@@ -8,16 +8,25 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .dualpipev import dualpipev
 from .gpipe import gpipe
+from .interleaved import interleaved
 from .ir import Action, ActionKind, Schedule, ScheduleError, check_count
+from .looped_bfs import looped_bfs
 from .lower import Comm, CommGroup, CommKind, Op, Payload, format_program, lower
 from .one_f_one_b import one_f_one_b
-from .validate import ValidationReport, peak_inflight, simulate, validate
+from .simulator import Costs, SimulationResult, simulate
+from .timeline import Event, Timeline
+from .validate import ValidationReport, peak_inflight, run_lockstep, validate
+from .zbv import zbv
+from .zero_bubble import zb_h1
 
 __all__ = [
     "Action",
     "ActionKind",
     "Comm",
+    "Costs",
+    "Event",
     "CommGroup",
     "CommKind",
     "Op",
@@ -26,16 +35,24 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleFn",
+    "SimulationResult",
+    "Timeline",
     "ValidationReport",
+    "dualpipev",
     "format_program",
     "get_schedule",
     "gpipe",
+    "interleaved",
+    "looped_bfs",
     "lower",
     "one_f_one_b",
     "peak_inflight",
     "register_schedule",
+    "run_lockstep",
     "simulate",
     "validate",
+    "zb_h1",
+    "zbv",
 ]
 
 ScheduleFn = Callable[..., Schedule]
@@ -73,3 +90,8 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, **kw: Any) -
 
 register_schedule("gpipe")(gpipe)
 register_schedule("1f1b")(one_f_one_b)
+register_schedule("interleaved")(interleaved)
+register_schedule("looped-bfs")(looped_bfs)
+register_schedule("zb-h1")(zb_h1)
+register_schedule("zbv")(zbv)
+register_schedule("dualpipev")(dualpipev)

@@ -23,6 +23,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
+    from .simulator import Costs, SimulationResult
     from .validate import ValidationReport
 
 __all__ = [
@@ -315,11 +316,18 @@ class Schedule:
     def __str__(self) -> str:
         return self.format_table()
 
-    def validate(self) -> ValidationReport:
-        """Check this schedule (see :func:`fastpipe.schedule.validate.validate`)."""
+    def validate(self, *, comm: str = "rendezvous") -> ValidationReport:
+        """Check this schedule (see :func:`fastpipe.schedule.validate.validate`); ``comm`` is the
+        deadlock model, ``"rendezvous"`` (unbuffered sends) or ``"buffered"``."""
         from .validate import validate  # deferred: validate imports this module
 
-        return validate(self)
+        return validate(self, comm=comm)
+
+    def simulate(self, costs: Costs | None = None, **kw: object) -> SimulationResult:
+        """Time this schedule under ``costs`` (see :func:`fastpipe.schedule.simulator.simulate`)."""
+        from .simulator import simulate  # deferred: the simulator imports this module
+
+        return simulate(self, costs, **kw)
 
 
 def _split_row(row: str | Iterable[str]) -> list[str]:

@@ -11,6 +11,12 @@ ordering mistakes surface as deadlocks instead of being hidden by buffering.
 Classic 1F1B is deadlock-free here only because its steady-state
 send-forward/receive-backward pairs are batched into one group.
 
+``comm="buffered"`` models mailbox hand-over instead, as the local executor
+does: a send completes as soon as it is posted and its tensor waits in the
+receiver's mailbox; a receive completes once its matching send was posted. A
+schedule is then deadlock-free exactly when its per-stage orders and its data
+dependencies admit a common order, whatever the send ordering.
+
 Cross-stage data dependencies (``F`` after the previous virtual stage's ``F``,
 ``B`` after the next virtual stage's ``B``) are enforced by the receives, so
 the simulation also checks them; dependencies between actions on the same
@@ -23,9 +29,19 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .ir import Action, ActionKind, Schedule, ScheduleError
-from .lower import Comm, CommGroup, Op, lower
+from .lower import Comm, CommGroup, CommKind, Op, lower
 
-__all__ = ["ScheduleError", "ValidationReport", "validate", "simulate", "peak_inflight"]
+__all__ = [
+    "COMM_MODELS",
+    "ScheduleError",
+    "ValidationReport",
+    "validate",
+    "run_lockstep",
+    "peak_inflight",
+]
+
+COMM_MODELS = ("rendezvous", "buffered")
+"""Deadlock models accepted by :func:`validate` and :func:`simulate` (see module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -54,18 +70,20 @@ class ValidationReport:
         return 1.0 - sum(self.busy_steps) / total if total else 0.0
 
 
-def validate(schedule: Schedule) -> ValidationReport:
+def validate(schedule: Schedule, *, comm: str = "rendezvous") -> ValidationReport:
     """Check ``schedule`` and report its peak in-flight micro-batches and length.
 
     Raises :class:`ScheduleError` naming the stage, action and problem when an
     action is out of range, a (virtual stage, micro-batch) lacks or repeats its
     F or B (or repeats W), a stage runs an action before a same-stage dependency,
-    or the lowered programs deadlock.
+    or the lowered programs deadlock under the ``comm`` model (one of
+    :data:`COMM_MODELS`).
     """
+    _check_comm(comm)
     _check_ranges(schedule)
     _check_complete(schedule)
     _check_local_order(schedule)
-    steps = simulate(schedule, lower(schedule))
+    steps = run_lockstep(schedule, lower(schedule), comm=comm)
     return ValidationReport(peak_inflight(schedule), max(_last_steps(steps)), steps)
 
 
@@ -79,6 +97,12 @@ def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
+
+
+def _check_comm(comm: object) -> None:
+    if comm not in COMM_MODELS:
+        valid = ", ".join(repr(c) for c in COMM_MODELS)
+        raise ValueError(f"comm={comm!r} is not a deadlock model; valid: {valid}")
 
 
 def _last_steps(steps: tuple[tuple[int, ...], ...]) -> list[int]:
@@ -154,15 +178,16 @@ def _why(action: Action, dep: Action) -> str:
 # -- deadlock simulation -------------------------------------------------------
 
 
-def simulate(
-    schedule: Schedule, programs: tuple[tuple[Op, ...], ...]
+def run_lockstep(
+    schedule: Schedule, programs: tuple[tuple[Op, ...], ...], *, comm: str = "rendezvous"
 ) -> tuple[tuple[int, ...], ...]:
-    """Run lowered ``programs`` under the rendezvous model (see module docstring).
+    """Run lowered ``programs`` under the ``comm`` deadlock model (see module docstring).
 
     Returns, per stage, the round in which each compute action ran; raises
     :class:`ScheduleError` naming the blocked stages and their pending ops on deadlock.
     """
-    sim = _Simulation(programs)
+    _check_comm(comm)
+    sim = _Simulation(programs, buffered=comm == "buffered")
     while True:
         sim.settle_communication()
         if sim.finished():
@@ -174,8 +199,10 @@ def simulate(
 class _Simulation:
     """Mutable state of one lock-step simulation of lowered programs."""
 
-    def __init__(self, programs: tuple[tuple[Op, ...], ...]) -> None:
+    def __init__(self, programs: tuple[tuple[Op, ...], ...], buffered: bool = False) -> None:
         self.programs = programs
+        self.buffered = buffered
+        self.mailbox: list[set[Comm]] = [set() for _ in programs]
         self.pc = [0] * len(programs)
         self.pending: list[set[Comm] | None] = [None] * len(programs)
         self.steps: list[list[int]] = [[] for _ in programs]
@@ -213,6 +240,8 @@ class _Simulation:
         return posted
 
     def _match(self) -> bool:
+        if self.buffered:
+            return self._deliver()
         matched = False
         for stage, ops in enumerate(self.pending):
             for op in list(ops or ()):
@@ -223,6 +252,22 @@ class _Simulation:
                     peer_ops.discard(other)
                     matched = True
         return matched
+
+    def _deliver(self) -> bool:
+        """Buffered model: posted sends complete into the peer's mailbox; receives
+        complete from their own mailbox."""
+        moved = False
+        for stage, ops in enumerate(self.pending):
+            for op in list(ops or ()):
+                if op.kind is CommKind.SEND:
+                    self.mailbox[op.peer].add(op.counterpart(stage))
+                elif op in self.mailbox[stage]:
+                    self.mailbox[stage].discard(op)
+                else:
+                    continue
+                ops.discard(op)
+                moved = True
+        return moved
 
     def _complete(self) -> bool:
         done = False

@@ -1,0 +1,88 @@
+"""Measured timelines: when each action of a step really started and ended, on every stage.
+
+CPU stages are timed with the monotonic clock around each action. CUDA stages record a pair of
+timing events on the stage's stream around each action, read once the step has finished and
+placed on the same clock through an event recorded when the step began. The result is the same
+``Timeline`` the simulator produces, so a plan and a run can be drawn and compared alike.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..schedule import Action
+from ..schedule.timeline import Timeline
+
+
+@dataclass
+class StepRecorder:
+    """Collects (stage, action, start, end) of one step; seconds since the step began."""
+
+    num_stages: int
+    origin: float = field(default_factory=time.perf_counter)
+    intervals: List[Tuple[int, Action, float, float]] = field(default_factory=list)
+    pending: List[Tuple[int, Action, Any, Any]] = field(default_factory=list)
+    bases: Dict[torch.device, Tuple[Any, float]] = field(default_factory=dict)
+
+    def begin(self, stage: Any) -> Optional[Any]:
+        """Mark the start of an action on ``stage``; returns what ``end`` needs."""
+        if stage.stream is None:
+            return time.perf_counter()
+        self._base(stage.device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stage.stream)
+        return event
+
+    def end(self, stage: Any, action: Action, token: Any) -> None:
+        """Mark the end of ``action`` started with ``token``."""
+        if stage.stream is None:
+            self.intervals.append((action.stage, action, token - self.origin,
+                                   time.perf_counter() - self.origin))
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stage.stream)
+        self.pending.append((action.stage, action, token, event))
+
+    def _base(self, device: torch.device) -> None:
+        if device not in self.bases:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            self.bases[device] = (event, time.perf_counter() - self.origin)
+
+    def timeline(self, devices: Dict[int, torch.device]) -> Timeline:
+        """The step's measured timeline (waits for the CUDA events it still has to read)."""
+        intervals = list(self.intervals)
+        for stage, action, start, end in self.pending:
+            end.synchronize()
+            base, offset = self.bases[devices[stage]]
+            intervals.append((stage, action, offset + base.elapsed_time(start) / 1e3,
+                              offset + base.elapsed_time(end) / 1e3))
+        return Timeline.from_intervals(self.num_stages, intervals, source="measured", unit="s")
+
+
+class Trace:
+    """What ``with pipe.trace() as t:`` gives: the measured timeline of every step inside."""
+
+    def __init__(self) -> None:
+        self.timelines: List[Timeline] = []
+
+    @property
+    def timeline(self) -> Timeline:
+        """The last step's timeline."""
+        if not self.timelines:
+            raise RuntimeError("no step ran inside pipe.trace(); call pipe.train_step(...) or "
+                               "pipe(x) inside the with block")
+        return self.timelines[-1]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the last step: 1 - busy time / (stages x step time)."""
+        return self.timeline.bubble_fraction
+
+    @property
+    def busy(self) -> Tuple[float, ...]:
+        """Seconds each stage spent in actions during the last step."""
+        return self.timeline.busy
