@@ -48,12 +48,19 @@ def _schedule(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastpipe schedule")
     parser.add_argument("name", choices=sorted(SCHEDULES))
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=8, help="micro-batches")
+    parser.add_argument("--virtual", type=int, default=None,
+                        help="model chunks per stage (default: the schedule's own)")
     args = parser.parse_args(argv)
-    schedule = get_schedule(args.name, args.stages, args.chunks)
-    report = schedule.validate()
+    kwargs = {} if args.virtual is None else {"virtual_stages": args.virtual}
+    try:
+        schedule = get_schedule(args.name, args.stages, args.chunks, **kwargs)
+        report = schedule.validate(comm="buffered")
+    except (TypeError, ValueError, NotImplementedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(schedule.format_table())
-    print(f"peak in-flight micro-batches per stage: {list(report.peak_inflight)}")
+    print(f"peak in-flight (chunk, micro-batch) pairs per stage: {list(report.peak_inflight)}")
     print(f"makespan with unit-time actions: {report.num_steps} rounds, "
           f"bubble {report.bubble_fraction:.1%}")
     return 0

@@ -20,6 +20,7 @@ from .placement import (Device, auto_balance, check_balance, check_chunk_count, 
                         check_module, check_timeout, check_virtual_stages, check_workers,
                         default_partitions, resolve_devices, split)
 from .runtime.stage import Stage
+from .runtime import auto
 from .runtime.step import StepState
 from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
@@ -42,7 +43,11 @@ class Pipe(nn.Module):
         checkpoint: ``'never'``, ``'except_last'`` (all micro-batches but the last recompute their
             forward in backward) or ``'always'``.
         schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
-            ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ...).
+            ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``), or
+            ``'auto'``: the first ``train_step`` runs 1F1B (looped BFS with virtual stages),
+            measures each action, and the pipe keeps the schedule the simulator predicts fastest
+            for those costs (see ``fastpipe.runtime.auto``; the choice is logged and kept in
+            ``auto_ranking``).
         virtual_stages: model chunks per device, for interleaved and V-shaped schedules; then
             ``balance`` lists ``len(devices) * virtual_stages`` chunk sizes in model order and
             the schedule's placement decides which device holds which chunk.
@@ -67,8 +72,12 @@ class Pipe(nn.Module):
         self._timeout = check_timeout(timeout)
         self._virtual = check_virtual_stages(virtual_stages)
         workers = check_workers(cpu_workers)
-        self._schedule_name = get_schedule(schedule, 1, 1).name  # raises for an unknown name
         v = self._virtual
+        self._schedule_name = auto.check_name(schedule)
+        self._auto = self._schedule_name == "auto"
+        if self._auto:
+            self._schedule_name = auto.first_schedule(v)
+        object.__setattr__(self, "auto_ranking", None)
         if len(module) < v:
             raise ValueError(f"virtual_stages={v} needs at least {v} layers per device but the "
                              f"module has {len(module)}; lower virtual_stages")
@@ -123,7 +132,7 @@ class Pipe(nn.Module):
 
     @property
     def schedule(self) -> str:
-        """The schedule's name; ``plan(m)`` gives the schedule itself."""
+        """The name of the schedule the next step runs; ``plan(m)`` gives the schedule itself."""
         return self._schedule_name
 
     @property
@@ -203,7 +212,7 @@ class Pipe(nn.Module):
 
     def _run(self, programs: Sequence[Sequence[Any]], step: StepState, schedule: Schedule) -> None:
         trace = self._trace
-        if trace is not None:
+        if trace is not None or (self._auto and step.train):
             step.recorder = StepRecorder(len(self._devices))
         _order_streams(self._stages, before=True)
         try:
@@ -211,8 +220,20 @@ class Pipe(nn.Module):
         finally:
             _order_streams(self._stages, before=False)
         self._workers.observe(step)
-        if trace is not None:
-            trace.timelines.append(step.recorder.timeline(dict(enumerate(self._devices))))
+        if step.recorder is not None:
+            timeline = step.recorder.timeline(dict(enumerate(self._devices)))
+            if trace is not None:
+                trace.timelines.append(timeline)
+            if self._auto and step.train:
+                self._choose_schedule(timeline, schedule)
+
+    def _choose_schedule(self, timeline: Any, schedule: Schedule) -> None:
+        """``schedule='auto'``: rank the candidate schedules by simulated step time with the
+        costs measured in the first step, and run the fastest from now on."""
+        ranking = auto.rank(timeline, schedule)
+        object.__setattr__(self, "auto_ranking", ranking)
+        self._schedule_name, self._auto = ranking[0].name, False
+        auto.log_choice(ranking)
 
     def _new_step(self, inputs: List[Any], *, train: bool, grad_enabled: bool, stop: int,
                   **kwargs: Any) -> StepState:
@@ -260,8 +281,7 @@ class Pipe(nn.Module):
 
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
-    kwargs = {"virtual_stages": virtual_stages} if virtual_stages != 1 else {}
-    schedule = get_schedule(name, num_stages, num_microbatches, **kwargs)
+    schedule = get_schedule(name, num_stages, num_microbatches, virtual_stages=virtual_stages)
     schedule.validate(comm="buffered")  # the local executor's mailboxes buffer every send
     return schedule
 

@@ -7,7 +7,7 @@ def test_schedule_command_prints_the_table(capsys):
     assert main(["schedule", "1f1b", "--stages", "2", "--chunks", "3"]) == 0
     out = capsys.readouterr().out
     assert "stage 0 | 0F0 0F1 0B0 0F2 0B1 0B2" in out
-    assert "peak in-flight micro-batches per stage: [2, 1]" in out
+    assert "peak in-flight (chunk, micro-batch) pairs per stage: [2, 1]" in out
     assert "bubble 25.0%" in out  # (p-1)/(m+p-1) with unit costs
 
 
@@ -30,3 +30,10 @@ def test_demo_trains_and_reports(capsys):
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)  ", out)]
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
     assert "samples/s" in out
+
+
+def test_schedule_command_virtual_stages_and_errors(capsys):
+    assert main(["schedule", "interleaved", "--stages", "2", "--chunks", "4", "--virtual", "2"]) == 0
+    assert "0F0.1" in capsys.readouterr().out
+    assert main(["schedule", "zbv", "--stages", "2", "--chunks", "4", "--virtual", "3"]) == 2
+    assert "virtual_stages must be 2" in capsys.readouterr().err

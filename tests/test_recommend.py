@@ -58,27 +58,11 @@ def test_unknown_schedule_and_bad_sizes():
         recommend(0, 3)
 
 
-def test_make_schedule_without_chunk_option(monkeypatch):
-    monkeypatch.setitem(SCHEDULES, "plain-test", lambda num_stages, num_microbatches:
-                        get_schedule("1f1b", num_stages, num_microbatches))
-    assert make_schedule("plain-test", 2, 3) == get_schedule("1f1b", 2, 3)
-    with pytest.raises(ValueError, match="does not support virtual_stages=2"):
-        make_schedule("plain-test", 2, 3, 2)
-
-
-def test_make_schedule_passes_the_chunk_option(monkeypatch):
-    seen = {}
-
-    def chunked(num_stages, num_microbatches, num_chunks=1):
-        seen["num_chunks"] = num_chunks
-        return get_schedule("1f1b", num_stages, num_microbatches)
-
-    monkeypatch.setitem(SCHEDULES, "chunked-test", chunked)
-    make_schedule("chunked-test", 2, 3, 1)
-    assert seen == {"num_chunks": 1}
-    with pytest.raises(ValueError, match="1 chunk"):
-        make_schedule("chunked-test", 2, 3, 4)
-    assert seen == {"num_chunks": 4}
+def test_make_schedule_passes_virtual_stages():
+    assert make_schedule("interleaved", 2, 4, 3).num_chunks == 3
+    assert make_schedule("1f1b", 2, 3) == get_schedule("1f1b", 2, 3)
+    with pytest.raises(ValueError, match="virtual_stages must be 1"):
+        make_schedule("1f1b", 2, 3, 2)
 
 
 def test_per_chunk_costs_split_stage_costs():

@@ -374,7 +374,7 @@ def test_fixed_virtual_stages(fn, name, bad):
     with pytest.raises(ValueError) as info:
         fn(4, 8, virtual_stages=bad)
     message = str(info.value)
-    assert name in message and f"virtual_stages must be" in message and str(bad) in message
+    assert name in message and "virtual_stages must be" in message and str(bad) in message
 
 
 @pytest.mark.parametrize("fn", [gpipe, one_f_one_b, *NEW.values()])

@@ -91,3 +91,37 @@ def test_interleaved_places_chunks_round_robin():
     plan = pipe.plan()
     assert [plan.stage_of(k)[0] for k in range(4)] == [0, 1, 0, 1]
     assert pipe.virtual_stages == 2 and len(pipe.devices) == 2
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_auto_schedule_measures_then_chooses(virtual, caplog):
+    model = mlp(depth=8)
+    plain = copy.deepcopy(model)
+    pipe = fastpipe.Pipe(model, chunks=4, devices=["cpu"] * 2, schedule="auto",
+                         virtual_stages=virtual)
+    assert pipe.schedule == ("1f1b" if virtual == 1 else "looped-bfs")
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with caplog.at_level("INFO", logger="fastpipe"):
+        loss = pipe.train_step(x, y, nn.MSELoss())
+    expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_of(model), expected)
+    names = [r.name for r in pipe.auto_ranking]
+    allowed = {"gpipe", "1f1b", "zb-h1"} if virtual == 1 else {"interleaved", "looped-bfs"}
+    assert set(names) <= allowed and pipe.schedule == names[0]
+    assert "schedule='auto' chose" in caplog.text
+    model.zero_grad()
+    plain.zero_grad()
+    loss = pipe.train_step(x, y, nn.MSELoss())  # now on the chosen schedule, still exact
+    expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+    assert_same_grads(grads_of(model), expected)
+
+
+def test_auto_stage_costs_from_a_timeline():
+    from fastpipe.runtime.auto import stage_costs
+    from fastpipe.schedule import Timeline
+    plan = get_schedule("1f1b", 2, 2)
+    intervals = [(0, "0F0", 0, 1), (0, "0F1", 1, 2), (1, "1F0", 2, 5), (1, "1B0", 5, 11),
+                 (0, "0B0", 11, 13), (1, "1F1", 11, 14), (1, "1B1", 14, 20), (0, "0B1", 20, 22)]
+    costs = stage_costs(Timeline.from_intervals(2, intervals), plan)
+    assert costs.forward == (1, 3) and costs.backward == (1, 3) and costs.weight == (1, 3)

@@ -79,6 +79,15 @@ def check_count(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+def require_chunks(schedule: str, virtual_stages: object, chunks: int, alternative: str) -> None:
+    """Reject a ``virtual_stages`` other than the ``chunks`` per stage that ``schedule`` places,
+    pointing to an ``alternative`` schedule that takes other counts."""
+    if check_count("virtual_stages", virtual_stages) != chunks:
+        what = "one chunk" if chunks == 1 else f"{chunks} chunks"
+        raise ValueError(f"{schedule} places {what} per stage: virtual_stages must be {chunks}, "
+                         f"got {virtual_stages}; use schedule {alternative!r} for other counts")
+
+
 @dataclass(frozen=True)
 class Action:
     """One compute step: ``kind`` of ``microbatch`` on ``chunk`` of physical ``stage``.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, check_count
+from .ir import Action, B, F, Schedule, check_count, require_chunks
 
 __all__ = ["one_f_one_b"]
 
@@ -16,7 +16,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int, virtual_stages: int = 1)
     """
     p = check_count("num_stages", num_stages)
     m = check_count("num_microbatches", num_microbatches)
-    _one_chunk(virtual_stages)
+    require_chunks("1f1b", virtual_stages, 1, "interleaved")
     return Schedule("1f1b", p, m, tuple(_stage_row(r, p, m) for r in range(p)))
 
 
@@ -27,11 +27,3 @@ def _stage_row(stage: int, num_stages: int, num_microbatches: int) -> tuple[Acti
         row += [Action(stage, F, mb), Action(stage, B, mb - warmup)]
     row += [Action(stage, B, mb) for mb in range(num_microbatches - warmup, num_microbatches)]
     return tuple(row)
-
-
-def _one_chunk(virtual_stages: object) -> None:
-    if check_count("virtual_stages", virtual_stages) != 1:
-        raise ValueError(
-            f"1f1b runs one chunk per stage: virtual_stages must be 1, got "
-            f"{virtual_stages}; use schedule 'interleaved' for several chunks per stage"
-        )

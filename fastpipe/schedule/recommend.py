@@ -10,7 +10,6 @@ with different ``v`` comparable: they do the same total work.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
@@ -20,8 +19,6 @@ from .simulator import Costs, simulate
 
 __all__ = ["Recommendation", "recommend", "make_schedule", "per_chunk_costs"]
 
-_CHUNK_KEYWORDS = ("num_chunks", "virtual_stages", "num_virtual_stages", "chunks_per_stage")
-"""Generator keywords taken to mean 'chunks per physical stage', in order of preference."""
 
 _SPLIT_FIELDS = ("forward", "backward", "weight", "activation")
 
@@ -72,23 +69,10 @@ def recommend(
 
 
 def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Generate schedule ``name`` with ``virtual_stages`` chunks per physical stage.
-
-    The generator gets the count through its chunk keyword (``num_chunks`` or a
-    synonym) if it has one; one without such a keyword supports only the chunk
-    count it produces. Raises ``ValueError`` for an unsupported combination.
-    """
+    """Generate schedule ``name`` with ``virtual_stages`` chunks per physical stage; raises
+    ``ValueError`` for a combination the generator does not support."""
     check_count("virtual_stages", virtual_stages)
-    fn = SCHEDULES.get(name.lower()) if isinstance(name, str) else None
-    keyword = _chunk_keyword(fn) if fn is not None else None
-    options = {keyword: virtual_stages} if keyword else {}
-    schedule = get_schedule(name, stages, microbatches, **options)
-    if schedule.num_chunks != virtual_stages:
-        raise ValueError(
-            f"schedule {name!r} has {schedule.num_chunks} chunk(s) per stage; "
-            f"it does not support virtual_stages={virtual_stages}"
-        )
-    return schedule
+    return get_schedule(name, stages, microbatches, virtual_stages=virtual_stages)
 
 
 def per_chunk_costs(costs: Costs, schedule: Schedule) -> Costs:
@@ -117,19 +101,6 @@ def _per_stage(name: str, value: Sequence[float], num_stages: int) -> Sequence[f
             "give one number or one per physical stage"
         )
     return value
-
-
-def _chunk_keyword(fn: object) -> str | None:
-    try:
-        parameters = inspect.signature(fn).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    for keyword in _CHUNK_KEYWORDS:
-        if keyword in parameters:
-            return keyword
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return _CHUNK_KEYWORDS[0]
-    return None
 
 
 def _names(schedules: Iterable[str] | None) -> list[str]:

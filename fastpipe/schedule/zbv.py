@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import Action, ActionKind, B, F, Schedule, W, check_count
+from .ir import Action, ActionKind, B, F, Schedule, W, check_count, require_chunks
 
 __all__ = ["zbv", "v_placement", "RowBuilder"]
 
@@ -43,11 +43,7 @@ def v_placement(num_stages: int) -> tuple[tuple[int, int], ...]:
 
 def two_chunks(schedule: str, virtual_stages: object) -> None:
     """Reject any ``virtual_stages`` but 2: V-shaped schedules hold exactly two chunks per stage."""
-    if check_count("virtual_stages", virtual_stages) != 2:
-        raise ValueError(
-            f"{schedule} places two chunks per stage in a V: virtual_stages must be 2, "
-            f"got {virtual_stages}; use schedule 'interleaved' for other counts"
-        )
+    require_chunks(schedule, virtual_stages, 2, "interleaved")
 
 
 def keep_microbatches(row: tuple[Action, ...], num_microbatches: int) -> tuple[Action, ...]:

@@ -9,7 +9,7 @@ their cool-down waits with weight gradients.
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, W, check_count
+from .ir import Action, B, F, Schedule, W, check_count, require_chunks
 
 __all__ = ["zb_h1"]
 
@@ -25,16 +25,9 @@ def zb_h1(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Sc
     """
     p = check_count("num_stages", num_stages)
     m = check_count("num_microbatches", num_microbatches)
-    _one_chunk(virtual_stages)
+    require_chunks("zb-h1", virtual_stages, 1, "zbv")
     return Schedule("zb-h1", p, m, tuple(_stage_row(r, p, m) for r in range(p)))
 
-
-def _one_chunk(virtual_stages: object) -> None:
-    if check_count("virtual_stages", virtual_stages) != 1:
-        raise ValueError(
-            f"zb-h1 runs one chunk per stage: virtual_stages must be 1, got "
-            f"{virtual_stages}; use schedule 'zbv' for two chunks per stage"
-        )
 
 
 def _stage_row(stage: int, p: int, m: int) -> tuple[Action, ...]:
