@@ -38,8 +38,11 @@ info: install
 
 bench: install
 	$(PY) -m pip install --no-deps torchgpipe==0.0.7
+	$(PY) -m pip install matplotlib
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/cpu_concurrency.py
+	$(PY) benchmarks/schedules.py --png benchmarks/schedules.png
+	$(PY) benchmarks/simulator_scale.py
 
 clean:
 	rm -rf build $(VENV) *.egg-info fastpipe/_C*.so

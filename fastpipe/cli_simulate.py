@@ -47,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _write_pictures(result, args)
 
 
+DEFAULT_VIRTUAL = {"interleaved": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
+"""Chunks per stage when ``--virtual`` is not given: what each schedule is usually run with."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Simulate a pipeline schedule and draw its timeline.")
     names = ", ".join(sorted(SCHEDULES))
@@ -54,8 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"registered schedule name (default 1f1b): {names}")
     parser.add_argument("--stages", type=int, default=4, help="physical stages (default 4)")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches (default 8)")
-    parser.add_argument("--virtual", type=int, default=1,
-                        help="model chunks per stage, for interleaved schedules (default 1)")
+    parser.add_argument("--virtual", type=int, default=None,
+                        help="model chunks per stage (default: the schedule's own, 2 for "
+                             "interleaved, looped-bfs, zbv and dualpipev, else 1)")
     parser.add_argument("--costs", default="1,1,1", metavar="F,B,W[,P2P]",
                         help="per-stage forward, input-gradient and weight-gradient costs and "
                              "optional transfer latency; each chunk gets 1/virtual of the "
@@ -75,6 +80,8 @@ def _costs(text: str) -> Costs:
 
 def _simulate(args: argparse.Namespace, costs: Costs) -> SimulationResult:
     """Check the sizes and name, generate the schedule and simulate it with per-chunk costs."""
+    if args.virtual is None:
+        args.virtual = DEFAULT_VIRTUAL.get(args.schedule.lower(), 1)
     for name in ("stages", "chunks", "virtual", "width"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -79,6 +79,11 @@ def check_count(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+def _plain_counts(*values: object) -> bool:
+    """True when every value is a non-negative int (not a bool): no further checks needed."""
+    return all(type(v) is int and v >= 0 for v in values)
+
+
 def require_chunks(schedule: str, virtual_stages: object, chunks: int, alternative: str) -> None:
     """Reject a ``virtual_stages`` other than the ``chunks`` per stage that ``schedule`` places,
     pointing to an ``alternative`` schedule that takes other counts."""
@@ -102,12 +107,15 @@ class Action:
     chunk: int = 0
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kind", ActionKind(self.kind))
-        except ValueError:
-            raise ValueError(
-                f"Action kind must be one of 'F', 'B', 'W', got {self.kind!r}"
-            ) from None
+        if type(self.kind) is not ActionKind:
+            try:
+                object.__setattr__(self, "kind", ActionKind(self.kind))
+            except ValueError:
+                raise ValueError(
+                    f"Action kind must be one of 'F', 'B', 'W', got {self.kind!r}"
+                ) from None
+        if _plain_counts(self.stage, self.microbatch, self.chunk):
+            return  # the common case, kept cheap: schedules build many actions
         for name in ("stage", "microbatch", "chunk"):
             check_count(f"Action.{name}", getattr(self, name), minimum=0)
 

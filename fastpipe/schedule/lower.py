@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Union
 
-from .ir import Action, ActionKind, Schedule, check_count
+from .ir import Action, ActionKind, Schedule, check_count, _plain_counts
 
 __all__ = ["CommKind", "Payload", "Comm", "CommGroup", "Op", "lower", "format_program"]
 
@@ -61,8 +61,12 @@ class Comm:
     virtual_stage: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", CommKind(self.kind))
-        object.__setattr__(self, "what", Payload(self.what))
+        if type(self.kind) is not CommKind:
+            object.__setattr__(self, "kind", CommKind(self.kind))
+        if type(self.what) is not Payload:
+            object.__setattr__(self, "what", Payload(self.what))
+        if _plain_counts(self.peer, self.microbatch, self.virtual_stage):
+            return
         for name in ("peer", "microbatch", "virtual_stage"):
             check_count(f"Comm.{name}", getattr(self, name), minimum=0)
 
