@@ -36,16 +36,32 @@ def model() -> nn.Sequential:
 
 
 def measured_costs(timeline, plan) -> Costs:
-    """Mean duration of F, B and W per virtual stage, from a measured timeline."""
+    """Per virtual stage, from a measured timeline: mean F; for B, the input-gradient B of
+    micro-batches with a W and the full B of those without, which the simulator models as
+    ``backward`` and ``backward + weight``; W is ``weight`` when no full B tells it."""
     spans = defaultdict(list)
+    split = {(plan.virtual_stage(a.stage, a.chunk), a.microbatch)
+             for row in plan.actions for a in row if str(a.kind) == "W"}
     for event in timeline.events:
-        chunk = plan.virtual_stage(event.action.stage, event.action.chunk)
-        spans[(str(event.action.kind), chunk)].append(event.end - event.start)
-    chunks = plan.num_virtual_stages
-    mean = lambda kind: [statistics.mean(spans[(kind, k)]) if spans[(kind, k)] else 0.0
-                         for k in range(chunks)]
-    has_w = any(kind == "W" for kind, _ in spans)
-    return Costs(forward=mean("F"), backward=mean("B"), weight=mean("W") if has_w else 0.0)
+        action = event.action
+        chunk = plan.virtual_stage(action.stage, action.chunk)
+        kind = str(action.kind)
+        if kind == "B":
+            kind = "B-split" if (chunk, action.microbatch) in split else "B-full"
+        spans[(kind, chunk)].append(event.end - event.start)
+    forward, backward, weight = [], [], []
+    for k in range(plan.num_virtual_stages):
+        mean = lambda kind: statistics.mean(spans[(kind, k)]) if spans[(kind, k)] else None
+        f, b_split, b_full, w = mean("F"), mean("B-split"), mean("B-full"), mean("W")
+        b = b_split if b_split is not None else b_full
+        if b_split is not None and b_full is not None:
+            wt = max(b_full - b_split, 0.0)
+        else:
+            wt = w if w is not None else 0.0
+        forward.append(f or 0.0)
+        backward.append(b or 0.0)
+        weight.append(wt)
+    return Costs(forward=forward, backward=backward, weight=weight)
 
 
 def run_case(base: nn.Sequential, name: str, virtual: int, rounds: int, x, y):
