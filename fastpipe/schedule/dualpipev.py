@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import Action, B, F, Schedule, W, check_count
+from .ir import Action, B, F, Schedule, W, check_count, gc_paused
 from .zbv import RowBuilder, keep_microbatches, two_chunks, v_placement
 
 __all__ = ["dualpipev"]
 
 
+@gc_paused()
 def dualpipev(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     """DualPipeV schedule: DeepSeek's eight phases per stage (see :func:`_stage_row`).
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, check_count, require_chunks
+from .ir import Action, B, F, Schedule, check_count, gc_paused, require_chunks
 
 __all__ = ["gpipe"]
 
 
+@gc_paused()
 def gpipe(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """GPipe schedule: each stage runs forwards ``0..m-1``, then backwards ``0..m-1``.
 

@@ -12,7 +12,7 @@ With ``v > 1``, ``m`` must be a multiple of ``p`` (Megatron's rule) or at most
 
 from __future__ import annotations
 
-from .ir import Action, ActionKind, B, F, Schedule, check_count
+from .ir import Action, ActionKind, B, F, Schedule, check_count, gc_paused, trusted_action
 
 __all__ = ["interleaved", "interleaved_units", "interleaved_warmup"]
 
@@ -20,6 +20,7 @@ Unit = tuple[int, int]
 """A (chunk, micro-batch) pair."""
 
 
+@gc_paused()
 def interleaved(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B over ``virtual_stages`` round-robin chunks per stage.
 
@@ -78,7 +79,7 @@ def _stage_row(
     stage: int, forward: list[Unit], backward: list[Unit], warmup: int
 ) -> tuple[Action, ...]:
     def action(kind: ActionKind, unit: Unit) -> Action:
-        return Action(stage, kind, unit[1], unit[0])
+        return trusted_action(stage, kind, unit[1], unit[0])  # checked counts, built units
 
     row = [action(F, unit) for unit in forward[:warmup]]
     for k in range(len(forward) - warmup):

@@ -16,11 +16,14 @@ Terminology:
 
 from __future__ import annotations
 
+import gc
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterable, Sequence
+from operator import attrgetter
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from .simulator import Costs, SimulationResult
@@ -79,9 +82,17 @@ def check_count(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
-def _plain_counts(*values: object) -> bool:
-    """True when every value is a non-negative int (not a bool): no further checks needed."""
-    return all(type(v) is int and v >= 0 for v in values)
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small acyclic objects (its
+    generation scans would otherwise dominate large schedules); restore its previous state."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def require_chunks(schedule: str, virtual_stages: object, chunks: int, alternative: str) -> None:
@@ -114,7 +125,9 @@ class Action:
                 raise ValueError(
                     f"Action kind must be one of 'F', 'B', 'W', got {self.kind!r}"
                 ) from None
-        if _plain_counts(self.stage, self.microbatch, self.chunk):
+        stage, microbatch, chunk = self.stage, self.microbatch, self.chunk
+        if (type(stage) is int and type(microbatch) is int and type(chunk) is int
+                and stage >= 0 and microbatch >= 0 and chunk >= 0):
             return  # the common case, kept cheap: schedules build many actions
         for name in ("stage", "microbatch", "chunk"):
             check_count(f"Action.{name}", getattr(self, name), minimum=0)
@@ -134,7 +147,23 @@ class Action:
 
     def with_kind(self, kind: ActionKind) -> Action:
         """The same stage, micro-batch and chunk with another kind."""
+        if type(kind) is ActionKind:
+            return trusted_action(self.stage, kind, self.microbatch, self.chunk)
         return Action(self.stage, kind, self.microbatch, self.chunk)
+
+
+_new_object, _set = object.__new__, object.__setattr__
+
+
+def trusted_action(stage: int, kind: ActionKind, microbatch: int, chunk: int = 0) -> Action:
+    """``Action(stage, kind, microbatch, chunk)`` for values already known to be valid (an
+    :class:`ActionKind` and non-negative ints), without the checks: generators build many."""
+    action = _new_object(Action)
+    _set(action, "stage", stage)
+    _set(action, "kind", kind)
+    _set(action, "microbatch", microbatch)
+    _set(action, "chunk", chunk)
+    return action
 
 
 def round_robin_placement(num_stages: int, num_chunks: int) -> tuple[tuple[int, ...], ...]:
@@ -146,6 +175,27 @@ def round_robin_placement(num_stages: int, num_chunks: int) -> tuple[tuple[int, 
 
 
 Placement = tuple[tuple[int, ...], ...]
+
+Group = tuple[int, ActionKind, int]
+"""Actions that differ only in micro-batch: ``(stage, kind, chunk)``."""
+
+_Link = tuple[Group, dict[int, Action]]
+"""A group a dependency (or consumer) belongs to, with the schedule's actions in it by
+micro-batch."""
+
+_stage_of_action = attrgetter("stage")
+
+
+def _missing(group: Group, microbatch: int) -> Action:
+    """The action of ``microbatch`` in ``group``, for one the schedule lacks."""
+    stage, kind, chunk = group
+    return trusted_action(stage, kind, microbatch, chunk)
+
+
+def _plain_row(stage: int, row: tuple[Action, ...]) -> bool:
+    """True when ``row`` holds only plain :class:`Action` objects of ``stage`` (checked at C
+    speed); otherwise the caller looks action by action."""
+    return set(map(type, row)) <= {Action} and set(map(_stage_of_action, row)) <= {stage}
 
 
 @dataclass(frozen=True)
@@ -195,6 +245,8 @@ class Schedule:
                 f"but num_stages={self.num_stages}; give one row per stage"
             )
         for stage, row in enumerate(self.actions):
+            if _plain_row(stage, row):
+                continue
             for position, action in enumerate(row):
                 if not isinstance(action, Action):
                     raise TypeError(
@@ -255,40 +307,131 @@ class Schedule:
 
         ``F`` needs ``F`` of the same micro-batch on the previous virtual stage;
         ``B`` needs its own ``F`` and ``B`` on the next virtual stage; ``W`` needs
-        its own ``B``. Validation and simulation share this single definition.
+        its own ``B``. Lowering, validation and simulation share this single definition,
+        asking for many actions at once through :meth:`dependency_groups`.
         """
-        vs = self.virtual_stage_of(action)
+        links = self._dependency_links.get((action.stage, action.kind, action.chunk))
+        if links is None:
+            links = self._dependency_links_of((action.stage, action.kind, action.chunk))
         mb = action.microbatch
-        if action.kind is ActionKind.FORWARD:
-            return (self.action_at(F, vs - 1, mb),) if vs > 0 else ()
-        if action.kind is ActionKind.WEIGHT:
-            return (action.with_kind(B),)
-        deps = [action.with_kind(F)]
-        if vs < self.num_virtual_stages - 1:
-            deps.append(self.action_at(B, vs + 1, mb))
+        deps = []
+        for group, actions in links:
+            deps.append(actions.get(mb) or _missing(group, mb))
         return tuple(deps)
 
     def consumers(self, action: Action) -> tuple[Action, ...]:
         """Actions listing ``action`` among their :meth:`dependencies` (the inverse relation)."""
-        vs = self.virtual_stage_of(action)
+        links = self._consumer_links.get((action.stage, action.kind, action.chunk))
+        if links is None:
+            links = self._consumer_links_of((action.stage, action.kind, action.chunk))
         mb = action.microbatch
-        if action.kind is ActionKind.FORWARD:
-            out = [action.with_kind(B)]
+        users = []
+        for group, actions in links:
+            user = actions.get(mb)
+            if user is not None:
+                users.append(user)
+            elif group[1] is not ActionKind.WEIGHT:  # a B feeds a W only when there is one
+                users.append(_missing(group, mb))
+        return tuple(users)
+
+    def dependency_groups(
+        self, stage: int, kind: ActionKind, chunk: int
+    ) -> tuple[Group, ...] | None:
+        """The ``(stage, kind, chunk)`` groups whose action of micro-batch ``k`` is a dependency
+        of this group's action of micro-batch ``k``, for every ``k``: :meth:`dependencies` in
+        bulk. ``None`` when a subclass redefines :meth:`dependencies`: ask action by action."""
+        if type(self).dependencies is not Schedule.dependencies:
+            return None
+        return tuple(group for group, _ in self._dependency_links_of((stage, kind, chunk)))
+
+    def consumer_groups(
+        self, stage: int, kind: ActionKind, chunk: int
+    ) -> tuple[Group, ...] | None:
+        """Like :meth:`dependency_groups` for :meth:`consumers`, except that a ``B``'s ``W``
+        group (on the same stage) counts only for the micro-batches that have a ``W``."""
+        if type(self).consumers is not Schedule.consumers:
+            return None
+        return tuple(group for group, _ in self._consumer_links_of((stage, kind, chunk)))
+
+    def _dependency_links_of(self, key: Group) -> tuple[_Link, ...]:
+        links = self._dependency_links.get(key)
+        if links is None:
+            links = self._dependency_links[key] = self._links(self._dependency_rule(key))
+        return links
+
+    def _consumer_links_of(self, key: Group) -> tuple[_Link, ...]:
+        links = self._consumer_links.get(key)
+        if links is None:
+            links = self._consumer_links[key] = self._links(self._consumer_rule(key))
+        return links
+
+    def _dependency_rule(self, group: Group) -> tuple[Group, ...]:
+        """The rule of :meth:`dependencies`, for all micro-batches of a group at once."""
+        stage, kind, chunk = group
+        vs = self.virtual_stage(stage, chunk)
+        if kind is ActionKind.FORWARD:
+            return (self._group(F, vs - 1),) if vs > 0 else ()
+        if kind is ActionKind.WEIGHT:
+            return ((stage, B, chunk),)
+        deps = [(stage, F, chunk)]
+        if vs < self.num_virtual_stages - 1:
+            deps.append(self._group(B, vs + 1))
+        return tuple(deps)
+
+    def _consumer_rule(self, group: Group) -> tuple[Group, ...]:
+        """The inverse of :meth:`_dependency_rule`; a ``B``'s ``W`` group is listed, though it
+        holds a consumer only for the micro-batches that have a ``W``."""
+        stage, kind, chunk = group
+        vs = self.virtual_stage(stage, chunk)
+        if kind is ActionKind.FORWARD:
+            out = [(stage, B, chunk)]
             if vs < self.num_virtual_stages - 1:
-                out.append(self.action_at(F, vs + 1, mb))
+                out.append(self._group(F, vs + 1))
             return tuple(out)
-        if action.kind is ActionKind.WEIGHT:
+        if kind is ActionKind.WEIGHT:
             return ()
-        out = []
-        if vs > 0:
-            out.append(self.action_at(B, vs - 1, mb))
-        if action.with_kind(W) in self._action_set:
-            out.append(action.with_kind(W))
-        return tuple(out)
+        return ((self._group(B, vs - 1),) if vs > 0 else ()) + ((stage, W, chunk),)
+
+    def _group(self, kind: ActionKind, virtual_stage: int) -> Group:
+        stage, chunk = self.stage_of(virtual_stage)
+        return (stage, kind, chunk)
+
+    def _links(self, groups: tuple[Group, ...]) -> tuple[_Link, ...]:
+        return tuple((group, self._index.get(group, {})) for group in groups)
 
     @cached_property
-    def _action_set(self) -> frozenset[Action]:
-        return frozenset(a for row in self.actions for a in row)
+    def _index(self) -> dict[Group, dict[int, Action]]:
+        """The schedule's actions by group, then micro-batch (the last one where one repeats)."""
+        return self._tables[0]
+
+    @cached_property
+    def _positions(self) -> dict[Group, dict[int, int]]:
+        """Like :attr:`_index`, but each action's position in its stage's row."""
+        return self._tables[1]
+
+    @cached_property
+    def _tables(self) -> tuple[dict[Group, dict[int, Action]], dict[Group, dict[int, int]]]:
+        """:attr:`_index` and :attr:`_positions`, built in one pass over the rows."""
+        index: dict[Group, dict[int, Action]] = {}
+        positions: dict[Group, dict[int, int]] = {}
+        for row in self.actions:
+            for position, action in enumerate(row):
+                key = (action.stage, action.kind, action.chunk)
+                if key not in index:
+                    index[key], positions[key] = {}, {}
+                index[key][action.microbatch] = action
+                positions[key][action.microbatch] = position
+        return index, positions
+
+    @cached_property
+    def _dependency_links(self) -> dict[Group, tuple[_Link, ...]]:
+        """Per group, its dependency groups with their actions, filled as groups are asked."""
+        return {}
+
+    @cached_property
+    def _consumer_links(self) -> dict[Group, tuple[_Link, ...]]:
+        """Per group, its consumer groups with their actions, filled as groups are asked."""
+        return {}
 
     # -- text forms --------------------------------------------------------
 

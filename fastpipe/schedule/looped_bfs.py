@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, check_count
+from .ir import Action, B, F, Schedule, check_count, gc_paused
 
 __all__ = ["looped_bfs"]
 
 
+@gc_paused()
 def looped_bfs(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     """Looped BFS schedule: each stage runs every forward of chunk 0, then of chunk 1,
     ..., then every backward of chunk ``v-1``, ..., of chunk 0.

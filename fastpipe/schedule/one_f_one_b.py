@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, check_count, require_chunks
+from .ir import Action, B, F, Schedule, check_count, gc_paused, require_chunks
 
 __all__ = ["one_f_one_b"]
 
 
+@gc_paused()
 def one_f_one_b(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """1F1B schedule: stage ``r`` runs ``min(p-r-1, m)`` warm-up forwards, then
     alternates one forward and one backward, then runs the remaining backwards.

@@ -21,14 +21,13 @@ O(actions x dependencies). Pure Python: no torch.
 
 from __future__ import annotations
 
-import gc
 import math
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from typing import Iterator, Sequence, Union
+from itertools import repeat
+from typing import Sequence, Union
 
-from .ir import Action, ActionKind, Schedule, ScheduleError
+from .ir import F, W, Action, Group, Schedule, ScheduleError, gc_paused
 from .timeline import Event, Timeline
 
 __all__ = ["Costs", "SimulationResult", "simulate"]
@@ -150,13 +149,32 @@ def simulate(schedule: Schedule, costs: Costs | None = None, **overrides: Cost) 
     """
     costs = replace(costs or Costs(), **overrides) if overrides else (costs or Costs())
     activation = costs.per_virtual_stage("activation", schedule.num_virtual_stages)
-    with _gc_paused():
-        graph = _Graph(schedule)
-        starts, ends = _run(schedule, graph, *_cost_arrays(schedule, costs, graph))
-        events = tuple(map(Event, graph.stage_of, graph.actions, starts, ends))
-        timeline = Timeline(schedule.num_stages, events, "simulated", "units")
+    with gc_paused():
+        timeline = Timeline(schedule.num_stages, _events(schedule, costs), "simulated", "units")
         memory = _peak_memory(schedule, activation, timeline)
     return SimulationResult(schedule, costs, timeline, memory)
+
+
+def _events(schedule: Schedule, costs: Costs) -> tuple[Event, ...]:
+    """When each action runs: one event per action, stage by stage (the working data goes
+    on return, while the collector is still paused)."""
+    graph = _Graph(schedule)
+    starts, ends = _run(schedule, graph, *_cost_arrays(schedule, costs, graph))
+    return tuple(map(_event, graph.stage_of, graph.actions, starts, ends))
+
+
+_new_object, _set = object.__new__, object.__setattr__
+
+
+def _event(stage: int, action: Action, start: float, end: float) -> Event:
+    """``Event(stage, action, start, end)`` without ``__init__``: the simulator makes one per
+    action, from values it computed."""
+    event = _new_object(Event)
+    _set(event, "stage", stage)
+    _set(event, "action", action)
+    _set(event, "start", start)
+    _set(event, "end", end)
+    return event
 
 
 def _peak_memory(
@@ -167,19 +185,6 @@ def _peak_memory(
         return tuple(activation[0] * peak for peak in timeline.peak_inflight)
     where = schedule.placement
     return timeline.peak_weighted(lambda a: activation[where[a.stage][a.chunk]])
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building many small acyclic objects:
-    its generation scans would otherwise dominate the run time of large schedules."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _Graph:
@@ -196,56 +201,43 @@ class _Graph:
         self.offsets = [0]
         for row in schedule.actions:
             self.offsets.append(self.offsets[-1] + len(row))
-        self.deps = _dependency_numbers(schedule, self.actions)
+        self.deps = _dependency_numbers(schedule, self.actions, self.offsets)
 
 
-_Group = tuple[int, ActionKind, int]
-"""Actions that differ only in micro-batch: ``(stage, kind, chunk)``."""
-
-
-def _dependency_numbers(schedule: Schedule, actions: list[Action]) -> list[tuple[int, ...]]:
-    """:meth:`Schedule.dependencies` of every action, as action numbers, asked once per group.
-
-    The IR's dependencies of micro-batch ``k`` are those of micro-batch 0 with
-    ``k`` substituted; that is checked on the first and last micro-batch, and a
-    group where it fails is asked action by action instead.
-    """
-    groups: dict[_Group, list[int]] = {}
-    for i, a in enumerate(actions):
-        groups.setdefault((a.stage, a.kind, a.chunk), []).append(i)
-    number = {group: {actions[i].microbatch: i for i in ids} for group, ids in groups.items()}
+def _dependency_numbers(
+    schedule: Schedule, actions: list[Action], offsets: list[int]
+) -> list[tuple[int, ...]]:
+    """:meth:`Schedule.dependencies` of every action, as action numbers: in bulk for each
+    (stage, kind, chunk) group (:meth:`Schedule.dependency_groups`), else action by action."""
     missing = len(actions)
+    positions = schedule._positions
+    number = {  # group -> micro-batch -> number of the action (the last, where one repeats)
+        group: {mb: offsets[group[0]] + i for mb, i in mine.items()}
+        for group, mine in positions.items()
+    }
+    if sum(map(len, positions.values())) != len(actions):  # repeated actions
+        return [_numbers(schedule, a, number, missing) for a in actions]
     deps: list[tuple[int, ...]] = [()] * len(actions)
-    for group, ids in groups.items():
-        template = _template(schedule, group)
-        if template is None:
-            for i in ids:
-                deps[i] = tuple(
-                    number.get((d.stage, d.kind, d.chunk), {}).get(d.microbatch, missing)
-                    for d in schedule.dependencies(actions[i])
-                )
+    for group, mine in number.items():
+        targets = schedule.dependency_groups(*group)
+        if targets is None:
+            for i in mine.values():
+                deps[i] = _numbers(schedule, actions[i], number, missing)
             continue
-        mbs = [actions[i].microbatch for i in ids]
-        columns = [[number.get(target, {}).get(mb, missing) for mb in mbs] for target in template]
-        for i, row in zip(ids, zip(*columns) if columns else [()] * len(ids)):
+        columns = [list(map(number.get(t, {}).get, mine, repeat(missing))) for t in targets]
+        for i, row in zip(mine.values(), zip(*columns) if columns else repeat(())):
             deps[i] = row
     return deps
 
 
-def _template(schedule: Schedule, group: _Group) -> tuple[_Group, ...] | None:
-    """The groups a group's actions depend on, if the same for every micro-batch."""
-    shapes = {_shape(schedule, group, 0), _shape(schedule, group, schedule.num_microbatches - 1)}
-    return shapes.pop() if len(shapes) == 1 else None
-
-
-def _shape(schedule: Schedule, group: _Group, mb: int) -> tuple[_Group, ...] | None:
-    """Groups of the dependencies of ``group``'s micro-batch ``mb``; ``None`` if one of
-    them is on another micro-batch."""
-    stage, kind, chunk = group
-    deps = schedule.dependencies(Action(stage, kind, mb, chunk))
-    if any(d.microbatch != mb for d in deps):
-        return None
-    return tuple((d.stage, d.kind, d.chunk) for d in deps)
+def _numbers(
+    schedule: Schedule, action: Action, number: dict[Group, dict[int, int]], missing: int
+) -> tuple[int, ...]:
+    """The numbers of ``action``'s dependencies, asked of :meth:`Schedule.dependencies`."""
+    return tuple(
+        number.get((d.stage, d.kind, d.chunk), {}).get(d.microbatch, missing)
+        for d in schedule.dependencies(action)
+    )
 
 
 def _cost_arrays(
@@ -256,16 +248,16 @@ def _cost_arrays(
     forward, backward, weight, p2p = (
         costs.per_virtual_stage(name, n) for name in ("forward", "backward", "weight", "p2p")
     )
-    split = {(a.stage, a.chunk, a.microbatch) for a in graph.actions if a.kind is ActionKind.WEIGHT}
+    split = {group[::2]: mbs for group, mbs in schedule._index.items() if group[1] is W}
     where = schedule.placement
     durations, latencies = [], []
     for a in graph.actions:
         vs = where[a.stage][a.chunk]
-        if a.kind is ActionKind.FORWARD:
+        if a.kind is F:
             durations.append(forward[vs])
-        elif a.kind is ActionKind.WEIGHT:
+        elif a.kind is W:
             durations.append(weight[vs])
-        elif (a.stage, a.chunk, a.microbatch) in split:
+        elif a.microbatch in split.get((a.stage, a.chunk), ()):
             durations.append(backward[vs])
         else:
             durations.append(backward[vs] + weight[vs])
@@ -287,25 +279,27 @@ def _run(
     ready = deque(range(schedule.num_stages))
     while ready:
         stage = ready.popleft()
-        i, t = heads[stage], clock[stage]
-        while i < stops[stage]:
-            start, blocker = t, None
+        i, t, stop = heads[stage], clock[stage], stops[stage]
+        while i < stop:
+            start = t
             for d in deps[i]:
                 done = ends[d]
                 if done is None:
-                    blocker = d
-                    break
+                    break  # not finished: wait for it
                 if stage_of[d] != stage:
                     done += latencies[d]
                 if done > start:
                     start = done
-            if blocker is not None:
-                waiting.setdefault(blocker, []).append(stage)
-                break
-            starts[i] = start
-            t = ends[i] = start + durations[i]
-            ready.extend(waiting.pop(i, ()))
-            i += 1
+            else:  # every dependency finished
+                starts[i] = start
+                t = ends[i] = start + durations[i]
+                woken = waiting.pop(i, None)
+                if woken:
+                    ready.extend(woken)
+                i += 1
+                continue
+            waiting.setdefault(d, []).append(stage)
+            break
         heads[stage], clock[stage] = i, t
     if heads != stops:
         raise ScheduleError(_deadlock_message(schedule, graph, heads, ends))

@@ -21,15 +21,32 @@ Cross-stage data dependencies (``F`` after the previous virtual stage's ``F``,
 ``B`` after the next virtual stage's ``B``) are enforced by the receives, so
 the simulation also checks them; dependencies between actions on the same
 stage are checked directly against the stage's order.
+
+The simulation is driven by events: it looks at a stage only when the stage reached a new
+op or a peer completed its group, so it costs what the ops cost, not rounds x stages.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate, repeat
+from operator import attrgetter, gt
+from typing import Sequence, Union
 
-from .ir import Action, ActionKind, Schedule, ScheduleError
-from .lower import Comm, CommGroup, CommKind, Op, lower
+from .ir import Action, ActionKind, Schedule, ScheduleError, gc_paused
+from .lower import (
+    CommFields,
+    CommGroup,
+    CommKind,
+    FieldsOp,
+    Op,
+    comm_fields,
+    comm_from,
+    counterpart_fields,
+    group_from,
+    lower_fields,
+)
 
 __all__ = [
     "COMM_MODELS",
@@ -80,23 +97,27 @@ def validate(schedule: Schedule, *, comm: str = "rendezvous") -> ValidationRepor
     :data:`COMM_MODELS`).
     """
     _check_comm(comm)
-    _check_ranges(schedule)
-    _check_complete(schedule)
-    _check_local_order(schedule)
-    steps = run_lockstep(schedule, lower(schedule), comm=comm)
-    return ValidationReport(peak_inflight(schedule), max(_last_steps(steps)), steps)
+    with gc_paused():
+        _check_ranges(schedule)
+        _check_complete(schedule)
+        _check_local_order(schedule)
+        # lower() without building the op objects; temporaries go before the collector resumes
+        steps = _lockstep(lower_fields(schedule), comm).run(schedule)
+        return ValidationReport(peak_inflight(schedule), max(_last_steps(steps)), steps)
+
+
+_DELTA = {ActionKind.FORWARD: 1, ActionKind.BACKWARD: -1, ActionKind.WEIGHT: 0}
+_kind = attrgetter("kind")
+_microbatch = attrgetter("microbatch")
+_chunk = attrgetter("chunk")
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most (chunk, micro-batch) pairs forwarded but not yet backwarded."""
-    peaks = []
-    for row in schedule.actions:
-        live = peak = 0
-        for action in row:
-            live += {ActionKind.FORWARD: 1, ActionKind.BACKWARD: -1}.get(action.kind, 0)
-            peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(
+        max(0, max(accumulate(map(_DELTA.__getitem__, map(_kind, row))), default=0))
+        for row in schedule.actions
+    )
 
 
 def _check_comm(comm: object) -> None:
@@ -115,6 +136,8 @@ def _last_steps(steps: tuple[tuple[int, ...], ...]) -> list[int]:
 def _check_ranges(schedule: Schedule) -> None:
     m, v = schedule.num_microbatches, schedule.num_chunks
     for stage, row in enumerate(schedule.actions):
+        if max(map(_microbatch, row), default=0) < m and max(map(_chunk, row), default=0) < v:
+            continue  # every action in range, checked at C speed
         for position, action in enumerate(row):
             where = f"stage {stage}: action {action} at position {position}"
             if action.microbatch >= m:
@@ -130,39 +153,84 @@ def _check_ranges(schedule: Schedule) -> None:
 
 
 def _check_complete(schedule: Schedule) -> None:
+    sizes = _group_sizes(schedule)
+    m = schedule.num_microbatches
     for stage, row in enumerate(schedule.actions):
-        counts = Counter(row)
-        for action, count in counts.items():
-            if count > 1:
-                positions = [i for i, a in enumerate(row) if a == action]
-                raise ScheduleError(
-                    f"stage {stage}: action {action} (micro-batch {action.microbatch}) "
-                    f"appears {count} times, at positions {positions}; it must run once"
-                )
-        for chunk in range(schedule.num_chunks):
-            vs = schedule.virtual_stage(stage, chunk)
-            for mb in range(schedule.num_microbatches):
-                for kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
-                    expected = Action(stage, kind, mb, chunk)
-                    if expected not in counts:
-                        raise ScheduleError(
-                            f"stage {stage}: micro-batch {mb} of chunk {chunk} (virtual "
-                            f"stage {vs}) has no {kind.name.lower()}; expected action "
-                            f"{expected} in stage {stage}'s row"
-                        )
+        mine = sizes[stage]
+        expected = ((kind, chunk) for chunk in range(schedule.num_chunks)
+                    for kind in (ActionKind.FORWARD, ActionKind.BACKWARD))
+        if sum(mine.values()) == len(row) and all(mine.get(key) == m for key in expected):
+            continue  # no repeats, and every F and B present (all are in range)
+        _report_incomplete(schedule, stage, row)
+
+
+def _group_sizes(schedule: Schedule) -> list[dict[tuple[ActionKind, int], int]]:
+    """Per stage, the number of distinct micro-batches of each (kind, chunk)."""
+    sizes: list[dict[tuple[ActionKind, int], int]] = [{} for _ in schedule.actions]
+    for (stage, kind, chunk), actions in schedule._index.items():
+        sizes[stage][kind, chunk] = len(actions)
+    return sizes
+
+
+def _report_incomplete(schedule: Schedule, stage: int, row: tuple[Action, ...]) -> None:
+    counts = Counter(row)
+    for action, count in counts.items():
+        if count > 1:
+            positions = [i for i, a in enumerate(row) if a == action]
+            raise ScheduleError(
+                f"stage {stage}: action {action} (micro-batch {action.microbatch}) "
+                f"appears {count} times, at positions {positions}; it must run once"
+            )
+    for chunk in range(schedule.num_chunks):
+        vs = schedule.virtual_stage(stage, chunk)
+        for mb in range(schedule.num_microbatches):
+            for kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                expected = Action(stage, kind, mb, chunk)
+                if expected not in counts:
+                    raise ScheduleError(
+                        f"stage {stage}: micro-batch {mb} of chunk {chunk} (virtual "
+                        f"stage {vs}) has no {kind.name.lower()}; expected action "
+                        f"{expected} in stage {stage}'s row"
+                    )
 
 
 def _check_local_order(schedule: Schedule) -> None:
     for stage, row in enumerate(schedule.actions):
-        position = {action: i for i, action in enumerate(row)}
-        for i, action in enumerate(row):
-            for dep in schedule.dependencies(action):
-                if dep.stage == stage and position[dep] > i:
-                    raise ScheduleError(
-                        f"stage {stage}: action {action} (micro-batch {action.microbatch}) "
-                        f"at position {i} runs before {dep} at position {position[dep]}, "
-                        f"which it depends on ({_why(action, dep)})"
-                    )
+        if not _locally_ordered(schedule, stage):
+            _report_local_order(schedule, stage, row)
+
+
+def _locally_ordered(schedule: Schedule, stage: int) -> bool:
+    """Whether every action of ``stage`` follows its dependencies on the same stage, compared
+    group by group (each action appears once by now); ``False`` also when undecided."""
+    positions = schedule._positions
+    for key, mine in positions.items():
+        if key[0] != stage:
+            continue
+        deps = schedule.dependency_groups(*key)
+        if deps is None:
+            return False  # dependencies differ by micro-batch: check action by action
+        for dep in deps:
+            if dep[0] == stage and _runs_first(mine, positions.get(dep, {})):
+                return False
+    return True
+
+
+def _runs_first(mine: dict[int, int], theirs: dict[int, int]) -> bool:
+    """Whether an action at ``mine[k]`` comes before the one at ``theirs[k]``, for some ``k``."""
+    return any(map(gt, map(theirs.get, mine, repeat(-1)), mine.values()))
+
+
+def _report_local_order(schedule: Schedule, stage: int, row: tuple[Action, ...]) -> None:
+    position = {action: i for i, action in enumerate(row)}
+    for i, action in enumerate(row):
+        for dep in schedule.dependencies(action):
+            if dep.stage == stage and position[dep] > i:
+                raise ScheduleError(
+                    f"stage {stage}: action {action} (micro-batch {action.microbatch}) "
+                    f"at position {i} runs before {dep} at position {position[dep]}, "
+                    f"which it depends on ({_why(action, dep)})"
+                )
 
 
 def _why(action: Action, dep: Action) -> str:
@@ -187,96 +255,94 @@ def run_lockstep(
     :class:`ScheduleError` naming the blocked stages and their pending ops on deadlock.
     """
     _check_comm(comm)
-    sim = _Simulation(programs, buffered=comm == "buffered")
-    while True:
-        sim.settle_communication()
-        if sim.finished():
-            return tuple(tuple(row) for row in sim.steps)
-        if not sim.run_compute():
-            raise ScheduleError(sim.deadlock_message(schedule))
+    with gc_paused():
+        simulation = _lockstep([list(map(_fields_op, program)) for program in programs], comm)
+        return simulation.run(schedule)
 
 
-class _Simulation:
-    """Mutable state of one lock-step simulation of lowered programs."""
+class _Other:
+    """A program op that is neither an action nor a communication group: it never runs."""
 
-    def __init__(self, programs: tuple[tuple[Op, ...], ...], buffered: bool = False) -> None:
+    def __init__(self, op: object) -> None:
+        self.op = op
+
+    def __str__(self) -> str:
+        return str(self.op)
+
+
+_SimOp = Union[FieldsOp, _Other]
+
+
+def _fields_op(op: object) -> _SimOp:
+    if isinstance(op, CommGroup):
+        return tuple(map(comm_fields, op.ops))
+    return op if isinstance(op, Action) else _Other(op)
+
+
+class _Lockstep:
+    """One lock-step simulation of lowered programs, driven by events: a stage is looked at
+    only when it reached a new op or a peer completed its group, so each round costs what
+    happens in it. Rounds are those of the plain model (see module docstring)."""
+
+    def __init__(self, programs: Sequence[Sequence[_SimOp]]) -> None:
         self.programs = programs
-        self.buffered = buffered
-        self.mailbox: list[set[Comm]] = [set() for _ in programs]
         self.pc = [0] * len(programs)
-        self.pending: list[set[Comm] | None] = [None] * len(programs)
+        self.pending: list[set[CommFields] | None] = [None] * len(programs)
         self.steps: list[list[int]] = [[] for _ in programs]
         self.round = 0
+        self.finished = 0
+        self.ready: list[int] = []  # stages at a compute action
+        self.woken: list[int] = []  # stages to move on: a new op, or their group completed
 
-    def current(self, stage: int) -> Op | None:
+    def run(self, schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+        """Rounds until every stage finished; raises :class:`ScheduleError` on deadlock."""
+        steps, pc, woken, advance = self.steps, self.pc, self.woken, self._advance
+        woken.extend(range(len(self.programs)))
+        while True:
+            while woken:
+                advance(woken.pop())
+            if self.finished == len(self.programs):
+                return tuple(tuple(row) for row in steps)
+            ready, self.ready, now = self.ready, [], self.round
+            self.round += 1
+            if not ready:
+                raise ScheduleError(self.deadlock_message(schedule))
+            for stage in ready:  # every stage at an action runs it this round, then moves on
+                steps[stage].append(now)
+                pc[stage] += 1
+                advance(stage)
+
+    def _advance(self, stage: int) -> None:
+        """Post ``stage``'s communication groups until one waits or an action is next."""
+        program, pc, post = self.programs[stage], self.pc[stage], self._post
+        end = len(program)
+        while pc < end:
+            op = program[pc]
+            if type(op) is tuple:
+                if not post(stage, op):
+                    break
+                pc += 1
+                continue
+            if isinstance(op, Action):
+                self.ready.append(stage)
+            break
+        else:
+            self.finished += 1
+        self.pc[stage] = pc
+
+    def _post(self, stage: int, group: tuple[CommFields, ...]) -> bool:
+        """Post ``group`` on ``stage``; ``True`` when all of it completed at once."""
+        raise NotImplementedError
+
+    def _move_on(self, stage: int) -> None:
+        """``stage``'s group completed (by a peer's post): on to its next op."""
+        self.pending[stage] = None
+        self.pc[stage] += 1
+        self.woken.append(stage)
+
+    def current(self, stage: int) -> _SimOp | None:
         program = self.programs[stage]
         return program[self.pc[stage]] if self.pc[stage] < len(program) else None
-
-    def finished(self) -> bool:
-        return all(self.current(s) is None for s in range(len(self.programs)))
-
-    def run_compute(self) -> bool:
-        ran = False
-        for stage in range(len(self.programs)):
-            if isinstance(self.current(stage), Action):
-                self.steps[stage].append(self.round)
-                self.pc[stage] += 1
-                ran = True
-        self.round += 1
-        return ran
-
-    def settle_communication(self) -> None:
-        changed = True
-        while changed:
-            changed = self._post() | self._match() | self._complete()
-
-    def _post(self) -> bool:
-        posted = False
-        for stage in range(len(self.programs)):
-            op = self.current(stage)
-            if isinstance(op, CommGroup) and self.pending[stage] is None:
-                self.pending[stage] = set(op.ops)
-                posted = True
-        return posted
-
-    def _match(self) -> bool:
-        if self.buffered:
-            return self._deliver()
-        matched = False
-        for stage, ops in enumerate(self.pending):
-            for op in list(ops or ()):
-                peer_ops = self.pending[op.peer]
-                other = op.counterpart(stage)
-                if peer_ops is not None and other in peer_ops:
-                    ops.discard(op)
-                    peer_ops.discard(other)
-                    matched = True
-        return matched
-
-    def _deliver(self) -> bool:
-        """Buffered model: posted sends complete into the peer's mailbox; receives
-        complete from their own mailbox."""
-        moved = False
-        for stage, ops in enumerate(self.pending):
-            for op in list(ops or ()):
-                if op.kind is CommKind.SEND:
-                    self.mailbox[op.peer].add(op.counterpart(stage))
-                elif op in self.mailbox[stage]:
-                    self.mailbox[stage].discard(op)
-                else:
-                    continue
-                ops.discard(op)
-                moved = True
-        return moved
-
-    def _complete(self) -> bool:
-        done = False
-        for stage, ops in enumerate(self.pending):
-            if ops is not None and not ops:
-                self.pending[stage] = None
-                self.pc[stage] += 1
-                done = True
-        return done
 
     def deadlock_message(self, schedule: Schedule) -> str:
         lines = [
@@ -288,16 +354,78 @@ class _Simulation:
             if op is None:
                 lines.append(f"  stage {stage}: finished")
                 continue
+            pending = sorted(map(comm_from, self.pending[stage] or ()), key=str)
             waiting = "; ".join(
-                f"{c} waits for stage {c.peer} to post '{c.counterpart(stage)}'"
-                for c in sorted(self.pending[stage] or (), key=str)
+                f"{c} waits for stage {c.peer} to post '{c.counterpart(stage)}'" for c in pending
             )
-            lines.append(
-                f"  stage {stage}: blocked {self._context(stage)} at {op}: {waiting}"
-            )
+            shown = group_from(op) if type(op) is tuple else op
+            lines.append(f"  stage {stage}: blocked {self._context(stage)} at {shown}: {waiting}")
         return "\n".join(lines)
 
     def _context(self, stage: int) -> str:
         done = [op for op in self.programs[stage][: self.pc[stage]] if isinstance(op, Action)]
         return f"after {done[-1]}" if done else "before its first action"
 
+
+class _Rendezvous(_Lockstep):
+    """Unbuffered sends: an op completes with its counterpart once both are posted."""
+
+    def _post(self, stage: int, group: tuple[CommFields, ...]) -> bool:
+        pending = self.pending
+        ops = pending[stage] = set(group)
+        for op in group:
+            peer_ops = pending[op[2]]
+            other = counterpart_fields(op, stage)
+            if peer_ops is not None and other in peer_ops and op in ops:
+                ops.discard(op)
+                peer_ops.discard(other)
+                if not peer_ops and peer_ops is not ops:
+                    self._move_on(op[2])
+        if ops:
+            return False
+        pending[stage] = None
+        return True
+
+
+class _Buffered(_Lockstep):
+    """Buffered sends: a send completes at once, into the receiver's posted receive or else
+    its mailbox; a receive completes from the mailbox."""
+
+    def __init__(self, programs: Sequence[Sequence[_SimOp]]) -> None:
+        super().__init__(programs)
+        self.mailbox: list[set[CommFields]] = [set() for _ in programs]
+
+    def _post(self, stage: int, group: tuple[CommFields, ...]) -> bool:
+        if len(group) > 1 and _repeats(group):
+            group = tuple(dict.fromkeys(group))  # a repeated op is posted once
+        pending, mailbox = self.pending, self.mailbox
+        for op in group:  # sends first, so that one to the stage itself reaches its receive
+            if op[0] is CommKind.SEND:
+                other, peer = counterpart_fields(op, stage), op[2]
+                peer_ops = pending[peer]
+                if peer_ops is not None and other in peer_ops:
+                    peer_ops.discard(other)
+                    if not peer_ops:
+                        self._move_on(peer)
+                else:
+                    mailbox[peer].add(other)
+        waiting, inbox = None, mailbox[stage]
+        for op in group:
+            if op[0] is CommKind.SEND:
+                continue
+            if op in inbox:
+                inbox.discard(op)
+            elif waiting is None:
+                waiting = {op}
+            else:
+                waiting.add(op)
+        pending[stage] = waiting
+        return waiting is None
+
+
+def _repeats(group: tuple[CommFields, ...]) -> bool:
+    return group[0] == group[1] if len(group) == 2 else len(set(group)) < len(group)
+
+
+def _lockstep(programs: Sequence[Sequence[_SimOp]], comm: str) -> _Lockstep:
+    return _Buffered(programs) if comm == "buffered" else _Rendezvous(programs)

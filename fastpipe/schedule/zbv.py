@@ -10,7 +10,18 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import Action, ActionKind, B, F, Schedule, W, check_count, require_chunks
+from .ir import (
+    Action,
+    ActionKind,
+    B,
+    F,
+    Schedule,
+    W,
+    check_count,
+    gc_paused,
+    require_chunks,
+    trusted_action,
+)
 
 __all__ = ["zbv", "v_placement", "RowBuilder"]
 
@@ -18,6 +29,7 @@ Step = tuple[ActionKind, int]
 """A (kind, chunk) pair; :class:`RowBuilder` supplies the micro-batch."""
 
 
+@gc_paused()
 def zbv(num_stages: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     """ZB-V schedule on the V placement, in phases chosen so no stage waits once
     the pipeline is full (see :func:`_stage_row`).
@@ -61,6 +73,7 @@ class RowBuilder:
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
+        self._plain = type(stage) is int and stage >= 0  # actions need no checks but kind, chunk
         self.actions: list[Action] = []
         self._next: dict[Step, int] = {}
 
@@ -70,9 +83,12 @@ class RowBuilder:
 
     def add(self, kind: ActionKind, chunk: int) -> Action:
         """Append the next micro-batch's ``kind`` action on ``chunk`` and return it."""
-        mb = self.count(kind, chunk)
+        mb = self._next.get((kind, chunk), 0)
         self._next[kind, chunk] = mb + 1
-        action = Action(self.stage, kind, mb, chunk)
+        if self._plain and type(kind) is ActionKind and type(chunk) is int and chunk >= 0:
+            action = trusted_action(self.stage, kind, mb, chunk)
+        else:
+            action = Action(self.stage, kind, mb, chunk)
         self.actions.append(action)
         return action
 

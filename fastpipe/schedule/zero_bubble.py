@@ -9,11 +9,12 @@ their cool-down waits with weight gradients.
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, W, check_count, require_chunks
+from .ir import Action, B, F, Schedule, W, check_count, gc_paused, require_chunks
 
 __all__ = ["zb_h1"]
 
 
+@gc_paused()
 def zb_h1(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """ZB-H1 schedule: stage ``r`` runs ``min(p-r-1, m)`` warm-up forwards, then rounds
     ``F(j + warm-up), B(j), W(j - r)`` (each where it exists), then the remaining ``W``.
