@@ -9,6 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h)
 
@@ -16,7 +17,7 @@ SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp c
 
 $(VENV)/.installed: $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
 	$(PY) -m pip install setuptools wheel ninja
 	$(PY) -m pip install -e ".[test]" --no-build-isolation
 	$(PY) -m fastpipe info
