@@ -125,3 +125,49 @@ def test_auto_stage_costs_from_a_timeline():
                  (0, "0B0", 11, 13), (1, "1F1", 11, 14), (1, "1B1", 14, 20), (0, "0B1", 20, 22)]
     costs = stage_costs(Timeline.from_intervals(2, intervals), plan)
     assert costs.forward == (1, 3) and costs.backward == (1, 3) and costs.weight == (1, 3)
+
+
+class Twice(nn.Module):
+    """One linear layer used twice along a path (its weight is reached two ways)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("name,virtual", [("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_split_backward_with_a_weight_used_twice(name, virtual, checkpoint):
+    model = nn.Sequential(nn.Linear(8, 8), Twice(), nn.Tanh(), Twice(), nn.Linear(8, 8),
+                          Twice(), nn.Tanh(), nn.Linear(8, 4))
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(11, 8), torch.randn(11, 4)
+    expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+    pipe = fastpipe.Pipe(model, chunks=4, devices=["cpu"] * 2, schedule=name,
+                         virtual_stages=virtual, checkpoint=checkpoint)
+    torch.testing.assert_close(pipe.train_step(x, y, nn.MSELoss()), expected_loss,
+                               rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_of(model), expected)
+
+
+def test_b_leaves_weight_gradients_to_w():
+    """In a split schedule no weight gradient exists between a micro-batch's B and its W."""
+    from fastpipe.runtime import step as step_module
+    seen = []
+    original = step_module.weight_action
+
+    def spy(step, stage, action):
+        if action.microbatch == 0:
+            seen.append(all(p.grad is None for p in stage.parameters()))
+        original(step, stage, action)
+
+    model = mlp(depth=4)
+    pipe = fastpipe.Pipe(model, chunks=4, balance=[2, 2], devices=["cpu"] * 2, schedule="zb-h1",
+                         checkpoint="never")
+    executor = pipe._workers.executor()
+    executor.handlers = {**executor.handlers, fastpipe.ActionKind.WEIGHT: spy}
+    pipe.train_step(torch.randn(8, 8), torch.randn(8, 4), nn.MSELoss())
+    assert seen == [True, True]  # the first W of each stage finds no gradient yet
