@@ -5,7 +5,7 @@ schedule, giving the gradients of the unsplit model.
 """
 import torch  # noqa: F401  (loads libtorch before the native library needs it)
 
-from . import balance, microbatch, ops, schedule
+from . import balance, microbatch, ops, schedule, schedules
 from ._native import FastpipeNativeWarning
 from .checkpoint import is_checkpointing, is_recomputing
 from .errors import (PipelineAborted, PipelineError, PipelineTimeout, StageFailure)
@@ -20,5 +20,5 @@ __all__ = [
     "Action", "ActionKind", "FastpipeNativeWarning", "Pipe", "PipelineAborted", "PipelineError",
     "PipelineTimeout", "Schedule", "ScheduleError", "StageFailure", "balance", "format_info", "get_schedule",
     "info", "is_checkpointing", "is_recomputing", "microbatch", "ops", "reference_transfer",
-    "schedule", "transfer",
+    "schedule", "schedules", "transfer",
 ]
