@@ -161,7 +161,7 @@ class _Checkpoint(torch.autograd.Function):
         ctx.constants = [None if is_tensor else x for x, is_tensor in zip(leaves, tensor_mask)]
         ctx.grad_flags = [is_tensor and x.requires_grad for x, is_tensor in zip(leaves, tensor_mask)]
         ctx.save_for_backward(*[x for x, is_tensor in zip(leaves, tensor_mask) if is_tensor])
-        with torch.no_grad(), _flag("checkpointing"):
+        with torch.no_grad(), checkpointing():
             output = run(pytree.tree_unflatten(list(leaves), spec))
         out_leaves, out_spec = pytree.tree_flatten(output)
         box.append((out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]))
@@ -173,7 +173,7 @@ class _Checkpoint(torch.autograd.Function):
         leaves = []
         for is_tensor, constant, wants_grad in zip(ctx.tensor_mask, ctx.constants, ctx.grad_flags):
             leaves.append(next(saved).detach().requires_grad_(wants_grad) if is_tensor else constant)
-        with torch.enable_grad(), _flag("recomputing"):
+        with torch.enable_grad(), recomputing():
             output = ctx.run(pytree.tree_unflatten(leaves, ctx.spec))
         outs = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
         backward_pairs(outs, grads)
@@ -182,13 +182,24 @@ class _Checkpoint(torch.autograd.Function):
         return (None, None, None, None, *input_grads)
 
 
-def backward_pairs(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]) -> None:
-    """Backpropagate ``grads`` into ``outputs``, skipping outputs with no grad or no graph."""
+def grad_pairs(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
+               ) -> Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]:
+    """The outputs that have both a gradient and a graph, and their gradients."""
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-    if not pairs:
+    return tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
+
+
+def backward_pairs(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]],
+                   inputs: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """Backpropagate ``grads`` into ``outputs`` (skipping outputs with no grad or no graph),
+    accumulating into every leaf, or only into ``inputs`` when given."""
+    tensors, grad_tensors = grad_pairs(outputs, grads)
+    if not tensors or (inputs is not None and not inputs):
         return
-    tensors, grad_tensors = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
-    if _run_backward is not None and all(o.shape == g.shape for o, g in pairs):
+    if inputs is not None:
+        torch.autograd.backward(tensors, grad_tensors, inputs=list(inputs))
+    elif _run_backward is not None and all(o.shape == g.shape
+                                           for o, g in zip(tensors, grad_tensors)):
         # The engine entry point of torch.autograd.backward, without its per-call Python checks
         # (the gradients are already tensors of the right shapes): measurably cheaper per stage.
         _run_backward(tensors, grad_tensors, False, False, (), allow_unreachable=True,

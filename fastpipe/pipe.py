@@ -24,7 +24,7 @@ from .runtime import auto
 from .runtime.step import StepState
 from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
-from .schedule import ActionKind, Schedule, get_schedule
+from .schedule import Schedule, get_schedule
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -185,8 +185,7 @@ class Pipe(nn.Module):
                               stop=checkpoint_stop(self._checkpoint, len(sizes)),
                               targets=microbatch.scatter(targets, sizes), loss_fn=loss_fn,
                               loss_weights=weights)
-        step.split = {(schedule.virtual_stage(a.stage, a.chunk), a.microbatch)
-                      for row in schedule.actions for a in row if a.kind == ActionKind.WEIGHT}
+        step.split = schedule.split_backwards
         self._run(schedule.actions, step, schedule)
         return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
 
@@ -201,13 +200,11 @@ class Pipe(nn.Module):
         total = microbatch.batch_size(inputs, argument="inputs")
         sizes = microbatch.split_sizes(total, self._chunks)
         schedule = self.plan(len(sizes))
-        programs = [[a for a in actions if a.kind == ActionKind.FORWARD]
-                    for actions in schedule.actions]
         grad = torch.is_grad_enabled()
         stop = checkpoint_stop(self._checkpoint, len(sizes)) if grad and self.training else 0
         step = self._new_step(microbatch.scatter(inputs, sizes), train=False, grad_enabled=grad,
                               stop=stop)
-        self._run(programs, step, schedule)
+        self._run(schedule.forward_actions, step, schedule)
         return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
 
     def _run(self, programs: Sequence[Sequence[Any]], step: StepState, schedule: Schedule) -> None:
@@ -216,12 +213,12 @@ class Pipe(nn.Module):
             step.recorder = StepRecorder(len(self._devices))
         _order_streams(self._stages, before=True)
         try:
-            self._workers.executor().run(programs, step, _virtual_stage(schedule))
+            self._workers.executor().run(programs, step, schedule)
         finally:
             _order_streams(self._stages, before=False)
         self._workers.observe(step)
         if step.recorder is not None:
-            timeline = step.recorder.timeline(dict(enumerate(self._devices)))
+            timeline = step.recorder.timeline(dict(enumerate(self._devices)), self._timeout)
             if trace is not None:
                 trace.timelines.append(timeline)
             if self._auto and step.train:
@@ -298,6 +295,3 @@ def _order_streams(stages: Sequence[Stage], *, before: bool) -> None:
             else:
                 caller.wait_stream(stage.stream)
 
-
-def _virtual_stage(schedule: Schedule) -> Callable[[Any], int]:
-    return lambda action: schedule.virtual_stage(action.stage, action.chunk)

@@ -337,3 +337,13 @@ def test_schedule_package_does_not_import_torch():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             assert not any(n.split(".")[0] == "torch" for n in names), path.name
+
+
+def test_split_backwards_and_forward_actions_are_derived_from_the_rows():
+    from fastpipe.schedule import get_schedule
+    zb = get_schedule("zb-h1", 2, 3)
+    assert zb.split_backwards == {(s, mb) for s in range(2) for mb in range(3)}
+    assert get_schedule("1f1b", 2, 3).split_backwards == frozenset()
+    inter = get_schedule("interleaved", 2, 2, virtual_stages=2)
+    assert [[str(a) for a in row] for row in inter.forward_actions] == \
+        [[str(a) for a in row if a.kind is ActionKind.FORWARD] for row in inter.actions]

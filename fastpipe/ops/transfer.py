@@ -55,6 +55,8 @@ def transfer(
     Source device types without a compiled kernel (e.g. meta, or CUDA in a CPU-only build)
     always take the reference path.
     """
+    if _all_on(tensors, device):
+        return list(tensors)  # the pipeline's common same-device hop: nothing to resolve or move
     target = _resolve_device(device)
     out = list(tensors)
     groups = _group_by_source_kind(out, target)
@@ -66,6 +68,13 @@ def transfer(
         for i, tensor in zip(positions, moved):
             out[i] = tensor
     return out
+
+
+def _all_on(tensors: Sequence[Tensor], device: DeviceLike) -> bool:
+    """Whether every item is a tensor already on ``device`` (a fully specified torch.device)."""
+    if not isinstance(device, torch.device) or (device.type != "cpu" and device.index is None):
+        return False
+    return all(isinstance(t, Tensor) and t.device == device for t in tensors)
 
 
 def _resolve_device(device: DeviceLike) -> torch.device:

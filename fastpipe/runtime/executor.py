@@ -17,7 +17,7 @@ import time
 from typing import Callable, Dict, List, Sequence
 
 from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
-from ..schedule import Action, ActionKind
+from ..schedule import Action, ActionKind, Schedule
 from .mailbox import Mailbox
 from .stage import Stage
 from .step import HANDLERS, StepState, is_ready
@@ -41,9 +41,9 @@ class LocalExecutor:
         self._lock = threading.Lock()
 
     def run(self, programs: Sequence[Sequence[Action]], step: StepState,
-            virtual_stage: VirtualStage) -> None:
-        """Run one step: ``programs[s]`` is physical stage ``s``'s action list, in order, and
-        ``virtual_stage`` maps an action to the index of the model chunk it runs."""
+            schedule: Schedule) -> None:
+        """Run one step: ``programs[s]`` is physical stage ``s``'s action list, in order (the
+        ``schedule``'s actions or a subset of them; it places the chunks)."""
         if len(programs) != sum(len(g) for g in self.groups):
             raise ValueError(f"expected {sum(len(g) for g in self.groups)} stage programs, "
                              f"got {len(programs)}")
@@ -52,7 +52,8 @@ class LocalExecutor:
                 f"another step of this pipeline has been running for over {step.timeout:g}s; "
                 f"run the steps of one Pipe one after another")
         try:
-            bells = self._wire(programs, step, virtual_stage)
+            bells = self._wire(programs, step, schedule)
+            virtual_stage = schedule.virtual_stage_of
             jobs = [self._pool.submit(self._work, step, w, group, programs, virtual_stage, bells[w])
                     for w, group in enumerate(self.groups)]
             self._watch(jobs, step)
@@ -77,15 +78,12 @@ class LocalExecutor:
                 return
 
     def _wire(self, programs: Sequence[Sequence[Action]], step: StepState,
-              virtual_stage: VirtualStage) -> List[threading.Condition]:
+              schedule: Schedule) -> List[threading.Condition]:
         """Give every virtual stage a mailbox ringing the bell of the worker that runs it."""
         bells = [threading.Condition() for _ in self.groups]
-        owner = {}
-        for w, group in enumerate(self.groups):
-            for s in group:
-                for action in programs[s]:
-                    owner[virtual_stage(action)] = w
-        step.mailboxes = [Mailbox(v, bells[owner.get(v, 0)]) for v in range(len(step.stages))]
+        worker_of = {s: w for w, group in enumerate(self.groups) for s in group}
+        step.mailboxes = [Mailbox(bells[worker_of[schedule.stage_of(v)[0]]])
+                          for v in range(len(step.stages))]
         for bell in bells:
             step.abort.register(bell)
         step.progress = [("not started", None)] * len(programs)
@@ -140,13 +138,9 @@ class LocalExecutor:
         step.progress[action.stage] = ("running", action)
         start = time.perf_counter()
         try:
-            if stage.stream is None:
+            with stage.context():
                 token = step.recorder.begin(stage) if step.recorder else None
                 self.handlers[action.kind](step, stage, action)
-            else:
-                with stage.context():
-                    token = step.recorder.begin(stage) if step.recorder else None
-                    self.handlers[action.kind](step, stage, action)
             if step.recorder:
                 step.recorder.end(stage, action, token)
         except PipelineError as error:

@@ -26,9 +26,7 @@ class Parcel:
 def ship(tensors: Sequence[Optional[torch.Tensor]], device: torch.device) -> Parcel:
     """Start moving ``tensors`` (``None`` entries kept) to ``device``; returns a ``Parcel``."""
     present = [t for t in tensors if t is not None]
-    if device.type == "cpu" and all(t.device.type == "cpu" for t in present):
-        return Parcel(list(tensors))  # same-device hop on the CPU: nothing to move or order
-    moved = iter(transfer(present, device) if present else [])
+    moved = iter(transfer(present, device))
     out = [None if t is None else next(moved) for t in tensors]
     event = None
     if device.type == "cuda" and present:

@@ -32,8 +32,7 @@ class Abort:
 class Mailbox:
     """Values addressed by key to one stage; a put wakes the worker that runs the stage."""
 
-    def __init__(self, owner: int, bell: threading.Condition) -> None:
-        self.owner = owner
+    def __init__(self, bell: threading.Condition) -> None:
         self.bell = bell
         self._items: Dict[Hashable, Any] = {}
 

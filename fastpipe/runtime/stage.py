@@ -10,6 +10,9 @@ from torch import nn
 from ..checkpoint import RngReplay, checkpointed, is_recomputing
 
 
+_NO_STREAM = contextlib.nullcontext()  # reusable: CPU stages enter it for every action
+
+
 class Stage:
     """A contiguous slice of the model placed on one device (a virtual stage of the pipeline)."""
 
@@ -26,7 +29,7 @@ class Stage:
     def context(self) -> ContextManager[Any]:
         """The stream (CUDA) in which this stage's work is issued; a no-op on the CPU."""
         if self.stream is None:
-            return contextlib.nullcontext()
+            return _NO_STREAM
         return torch.cuda.stream(self.stream)
 
     def run(self, inputs: Any, seed: int) -> Any:

@@ -7,14 +7,14 @@ autograd graph stays connected across stages so the caller can backprop through 
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ..checkpoint import backward_pairs, checkpointing, microbatch_seed, recomputing
+from ..checkpoint import (backward_pairs, checkpointing, grad_pairs, microbatch_seed,
+                          recomputing)
 from ..schedule import Action, ActionKind
 from .hop import Parcel, land, ship
 from .mailbox import Abort, Mailbox
@@ -48,7 +48,7 @@ class StepState:
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
     loss_weights: Optional[Sequence[float]] = None
     abort: Abort = field(default_factory=Abort)
-    split: Set[Tuple[int, int]] = field(default_factory=set)  # (stage, micro-batch) with a W
+    split: AbstractSet[Tuple[int, int]] = frozenset()  # (stage, micro-batch) with a W
     saved: Dict[Tuple[int, int], "Held"] = field(default_factory=dict)
     losses: Dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: Dict[int, Any] = field(default_factory=dict)
@@ -61,7 +61,6 @@ class StepState:
 
     def __post_init__(self) -> None:
         self.mailboxes: List[Mailbox] = []  # wired by the executor
-        self._lock = threading.Lock()
         self.autocast = _ambient_autocast({stage.device.type for stage in self.stages})
 
     def ambient(self) -> contextlib.ExitStack:
@@ -106,6 +105,13 @@ def _unflatten(leaves: List[Any], spec: Any) -> Any:
     return leaves[0] if spec is _BARE else pytree.tree_unflatten(leaves, spec)
 
 
+def _moved(value: Any, device: torch.device) -> Tuple[List[Any], Any]:
+    """The leaves of ``value`` with its tensors on ``device`` (caller-side inputs and targets)."""
+    leaves, spec = _flatten(value)
+    moved = iter(land(ship([x for x in leaves if isinstance(x, torch.Tensor)], device), device))
+    return [next(moved) if isinstance(x, torch.Tensor) else x for x in leaves], spec
+
+
 def _send(step: StepState, dst: int, key: Tuple[str, int], value: Any, detach: bool,
           differentiable: bool = False) -> None:
     """Ship ``value`` to stage ``dst``. ``differentiable`` marks floating-point tensors as
@@ -146,11 +152,8 @@ def _stage_input(step: StepState, stage: Stage, action: Action) -> Tuple[Any, Li
     """The micro-batch input of ``stage`` and, for training, its boundary leaf tensors."""
     mb = action.microbatch
     if stage.index == 0:
-        leaves, spec = _flatten(step.inputs[mb])
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        moved = iter(land(ship(tensors, stage.device), stage.device))
-        leaves = [next(moved) if isinstance(x, torch.Tensor) else x for x in leaves]
-        flags = [False] * len(tensors)
+        leaves, spec = _moved(step.inputs[mb], stage.device)
+        flags = [False] * sum(isinstance(x, torch.Tensor) for x in leaves)
     else:
         message = _receive(step, stage, ("act", mb), action)
         spec, flags = message.spec, message.requires_grad
@@ -173,15 +176,8 @@ class Held:
     grads: List[Optional[torch.Tensor]] = field(default_factory=list)  # kept for W
 
 
-def _target(step: StepState, stage: Stage, mb: int) -> Any:
-    leaves, spec = _flatten(step.targets[mb])
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    moved = iter(land(ship(tensors, stage.device), stage.device))
-    return _unflatten([next(moved) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-
-
 def _loss(step: StepState, stage: Stage, mb: int, output: Any) -> torch.Tensor:
-    loss = step.loss_fn(output, _target(step, stage, mb))
+    loss = step.loss_fn(output, _unflatten(*_moved(step.targets[mb], stage.device)))
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError(f"loss_fn must return a 0-dim tensor, got {type(loss).__name__} "
                         f"{tuple(getattr(loss, 'shape', ()))}; reduce the loss to a scalar")
@@ -259,12 +255,12 @@ def backward_action(step: StepState, stage: Stage, action: Action) -> None:
 
 def _input_grads(held: Held, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
     """Gradients of the stage's loss with respect to its boundary inputs only; keeps the graph."""
-    pairs = [(o, g) for o, g in zip(held.outputs, grads) if g is not None and o.requires_grad]
+    outputs, output_grads = grad_pairs(held.outputs, grads)
     wanted = [x for x in held.boundary if x.requires_grad]
-    if not pairs or not wanted:
+    if not outputs or not wanted:
         return [None] * len(held.boundary)
-    found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                     retain_graph=True, allow_unused=True))
+    found = iter(torch.autograd.grad(outputs, wanted, output_grads, retain_graph=True,
+                                     allow_unused=True))
     return [next(found) if x.requires_grad else None for x in held.boundary]
 
 
@@ -272,10 +268,7 @@ def weight_action(step: StepState, stage: Stage, action: Action) -> None:
     """W: accumulate the stage's weight gradients for a micro-batch whose B already ran."""
     mb = action.microbatch
     held = step.saved[(stage.index, mb)]
-    pairs = [(o, g) for o, g in zip(held.outputs, held.grads) if g is not None and o.requires_grad]
-    params = stage.parameters()
-    if pairs and params:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
+    backward_pairs(held.outputs, held.grads, inputs=stage.parameters())
     _release(step, stage, mb)
 
 

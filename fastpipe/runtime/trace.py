@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..errors import PipelineTimeout
 from ..schedule import Action
 from ..schedule.timeline import Timeline
 
@@ -52,15 +53,28 @@ class StepRecorder:
             event.record(torch.cuda.current_stream(device))
             self.bases[device] = (event, time.perf_counter() - self.origin)
 
-    def timeline(self, devices: Dict[int, torch.device]) -> Timeline:
-        """The step's measured timeline (waits for the CUDA events it still has to read)."""
+    def timeline(self, devices: Dict[int, torch.device], timeout: float) -> Timeline:
+        """The step's measured timeline (waits, at most ``timeout`` seconds each, for the CUDA
+        events it still has to read)."""
         intervals = list(self.intervals)
         for stage, action, start, end in self.pending:
-            end.synchronize()
+            _wait_for(end, timeout, stage, action)
             base, offset = self.bases[devices[stage]]
             intervals.append((stage, action, offset + base.elapsed_time(start) / 1e3,
                               offset + base.elapsed_time(end) / 1e3))
         return Timeline.from_intervals(self.num_stages, intervals, source="measured", unit="s")
+
+
+def _wait_for(event: Any, timeout: float, stage: int, action: Action) -> None:
+    """Poll a CUDA event until it completed; a GPU that never finishes raises instead of hanging."""
+    deadline = time.monotonic() + timeout
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise PipelineTimeout(
+                f"stage {stage} timed out after {timeout:g}s waiting for the GPU to finish action "
+                f"{action} (micro-batch {action.microbatch}) while reading its trace",
+                stage=stage, action=str(action), microbatch=action.microbatch)
+        time.sleep(1e-4)
 
 
 class Trace:

@@ -295,6 +295,18 @@ class Schedule:
         """Model-order index of the chunk ``action`` runs on."""
         return self.virtual_stage(action.stage, action.chunk)
 
+    @cached_property
+    def split_backwards(self) -> frozenset[tuple[int, int]]:
+        """The (virtual stage, micro-batch) pairs whose backward is split into B and W."""
+        return frozenset((self.virtual_stage_of(a), a.microbatch)
+                         for row in self.actions for a in row if a.kind is ActionKind.WEIGHT)
+
+    @cached_property
+    def forward_actions(self) -> tuple[tuple[Action, ...], ...]:
+        """Each stage's forward actions in order: the schedule of a forward-only pass."""
+        return tuple(tuple(a for a in row if a.kind is ActionKind.FORWARD)
+                     for row in self.actions)
+
     def action_at(self, kind: ActionKind, virtual_stage: int, microbatch: int) -> Action:
         """The action of ``kind`` for ``microbatch`` on ``virtual_stage``, wherever it is placed."""
         stage, chunk = self.stage_of(virtual_stage)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields, replace
 from itertools import repeat
 from typing import Sequence, Union
 
-from .ir import F, W, Action, Group, Schedule, ScheduleError, gc_paused
+from .ir import F, W, Action, Group, Schedule, ScheduleError, gc_paused, _new_object, _set
 from .timeline import Event, Timeline
 
 __all__ = ["Costs", "SimulationResult", "simulate"]
@@ -163,7 +163,6 @@ def _events(schedule: Schedule, costs: Costs) -> tuple[Event, ...]:
     return tuple(map(_event, graph.stage_of, graph.actions, starts, ends))
 
 
-_new_object, _set = object.__new__, object.__setattr__
 
 
 def _event(stage: int, action: Action, start: float, end: float) -> Event:
