@@ -11,15 +11,27 @@
 #endif
 
 TORCH_LIBRARY(fastpipe, m) {
-  // Fake (meta) implementations and autograd formulas live in this Python module.
+  // Fake (meta) implementations of every op are registered from this Python module.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-  m.set_python_module("fastpipe.ops.transfer");
+  m.set_python_module("fastpipe.ops.registry");
 #else
-  m.impl_abstract_pystub("fastpipe.ops.transfer");
+  m.impl_abstract_pystub("fastpipe.ops.registry");
 #endif
   // Copies every tensor to `device` and returns new tensors (never aliases of
   // the inputs). All inputs of one call must share a device type.
   m.def("transfer(Tensor[] tensors, Device device, bool non_blocking=False) -> Tensor[]");
+  // Fused recompute ops (csrc/cpu/fused_*.cpp): each backward takes the forward's inputs,
+  // never its outputs or masks. Dropout masks are a pure function of (seed, offset, index).
+  m.def("bias_gelu(Tensor x, Tensor bias, str approximate='none') -> Tensor");
+  m.def("bias_gelu_backward(Tensor grad, Tensor x, Tensor bias, str approximate='none') -> Tensor");
+  m.def("bias_dropout_add(Tensor x, Tensor bias, Tensor residual, float p, int seed, int offset=0) -> Tensor");
+  m.def("bias_dropout_add_backward(Tensor grad, float p, int seed, int offset=0) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("layer_norm(Tensor x, Tensor weight, Tensor bias, float eps) -> Tensor");
+  m.def("layer_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
 }
 
 namespace {

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstddef>
+#include <vector>
 
 namespace fastpipe {
 
@@ -27,5 +28,14 @@ inline void check_transfer_input(
 inline at::Tensor copy_to(const at::Tensor& t, c10::Device device, bool non_blocking) {
   return t.to(device, t.scalar_type(), non_blocking, /*copy=*/true);
 }
+
+#ifdef FASTPIPE_WITH_CUDA
+// Copies host tensors to the CUDA `device` on the dedicated host-to-device copy
+// stream, ordered before the device's current stream (csrc/cuda/transfer.cpp).
+std::vector<at::Tensor> host_to_cuda(
+    const std::vector<at::Tensor>& tensors,
+    c10::Device device,
+    bool non_blocking);
+#endif
 
 } // namespace fastpipe

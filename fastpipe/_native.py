@@ -65,7 +65,7 @@ def _attempt() -> None:
 
 def _register_python_side() -> None:
     """Registers the ops' fake and autograd implementations, which live in Python."""
-    importlib.import_module("fastpipe.ops.transfer").register_python_impls()
+    importlib.import_module("fastpipe.ops.registry").register_all()
 
 
 def load() -> bool:

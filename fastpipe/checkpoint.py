@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-MODES = ("never", "except_last", "always")
+MODES = ("never", "except_last", "always", "offload",  # offload: see fastpipe.offload
+         "selective")  # selective: see fastpipe.selective
 
 _local = threading.local()
 _TENSOR = object()  # marks where a tensor sits among a pytree's leaves
@@ -70,7 +71,9 @@ def check_mode(checkpoint: str) -> str:
 def checkpoint_stop(checkpoint: str, num_microbatches: int) -> int:
     """How many micro-batches (the first ones) are checkpointed under ``checkpoint``."""
     return {"always": num_microbatches, "except_last": num_microbatches - 1,
-            "never": 0}[check_mode(checkpoint)]
+            "never": 0, "offload": 0,
+            "selective": 0,  # no full recompute: fastpipe.selective keeps a thinner graph
+            }[check_mode(checkpoint)]
 
 
 # --------------------------------------------------------------------------------------------

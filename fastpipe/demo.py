@@ -1,14 +1,25 @@
-"""``python -m fastpipe demo``: train a small GPT through a pipeline and watch the loss fall."""
+"""``python -m fastpipe demo``: train a small GPT through a pipeline and watch the loss fall.
+
+The run shows a progress bar and ends with a report: throughput, the measured bubble against
+the closed form (p-1)/(m+p-1), the peak activation memory of each stage (bytes autograd saved
+for backward, measured by ``fastpipe.memory``), and a picture of the last step's timeline.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence, Union
 
 import torch
 
+from . import microbatch
+from .memory import SavedActivationMeter, cuda_peaks, format_bytes
 from .models import counting_task, gpt, lm_loss
 from .pipe import Pipe
+from .progress import progress
+from .schedule import render
 
 
 def _devices(stages: int) -> List[str]:
@@ -18,43 +29,129 @@ def _devices(stages: int) -> List[str]:
     return ["cpu"] * stages
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """Parse the demo's options, build the pipeline and train it, printing a line per step."""
+def _chunks(text: str) -> Union[int, str]:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--chunks takes an int or 'auto', got {text!r}")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fastpipe demo", description=__doc__)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--chunks", type=_chunks, default=4, help="an int, or 'auto'")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--checkpoint", default="except_last")
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
+    parser.add_argument("--print-every", type=int, default=None,
+                        help="print a loss line every N steps (default: about ten lines)")
+    parser.add_argument("--measure-steps", type=int, default=3,
+                        help="last steps traced for the bubble, memory and timeline picture")
+    parser.add_argument("--picture", default=os.path.join("out", "demo_timeline.png"),
+                        help="where to write the timeline PNG (needs matplotlib; '' for none)")
+    return parser
 
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Parse the demo's options, build the pipeline, train it and print the report."""
+    args = _parser().parse_args(argv)
     torch.manual_seed(0)
     vocab = 32
     model = gpt(vocab=vocab, dim=64, heads=4, layers=args.layers, max_len=args.seq)
     pipe = Pipe(model, chunks=args.chunks, devices=_devices(args.stages),
                 checkpoint=args.checkpoint, schedule=args.schedule)
+    _describe(pipe, args)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    data = torch.Generator().manual_seed(0)
+    every = args.print_every or max(1, args.steps // 10)
+    measured_from = max(1, args.steps - args.measure_steps + 1)
+    meter = SavedActivationMeter(pipe.partitions)
+    losses, rates, timelines = [], [], []
+    bar = progress(args.steps, desc="training")
+    try:
+        for step in range(1, args.steps + 1):
+            inputs, targets = counting_task(args.batch, args.seq, vocab, data)
+            if step == measured_from:
+                meter.__enter__()
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            if step >= measured_from:
+                with pipe.trace() as trace:
+                    loss = pipe.train_step(inputs, targets, lm_loss).item()
+                timelines.append(trace.timeline)
+            else:
+                loss = pipe.train_step(inputs, targets, lm_loss).item()
+            optimizer.step()
+            rates.append(args.batch / (time.perf_counter() - start))
+            losses.append(loss)
+            bar.update(f"loss {loss:.4f}, {rates[-1]:.0f} samples/s")
+            if step % every == 0 or step == args.steps:
+                bar.write(f"step {step:3d}  loss {loss:.4f}  {rates[-1]:8.1f} samples/s")
+    finally:
+        bar.close()
+        meter.__exit__(None, None, None)
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+          f"({'falling' if losses[-1] < losses[0] else 'NOT falling'})")
+    _report(pipe, args, rates, timelines, meter)
+
+
+def _describe(pipe: Pipe, args: argparse.Namespace) -> None:
     print(f"fastpipe demo: GPT with {args.layers} blocks, "
           f"{sum(p.numel() for p in pipe.parameters()) / 1e6:.2f} M parameters")
     for index, (part, device) in enumerate(zip(pipe.partitions, pipe.devices)):
         names = ", ".join(type(layer).__name__ for layer in part)
         print(f"  stage {index} on {device}: {names}")
-    print(f"  schedule={pipe.schedule} chunks={pipe.chunks} checkpoint={pipe.checkpoint}")
+    print(f"  schedule={pipe.schedule} chunks={args.chunks} checkpoint={pipe.checkpoint}")
 
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    data = torch.Generator().manual_seed(0)
-    first = last = None
-    for step in range(1, args.steps + 1):
-        inputs, targets = counting_task(args.batch, args.seq, vocab, data)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = pipe.train_step(inputs, targets, lm_loss).item()
-        optimizer.step()
-        elapsed = time.perf_counter() - start
-        first = loss if first is None else first
-        last = loss
-        print(f"step {step:3d}  loss {loss:.4f}  {args.batch / elapsed:8.1f} samples/s")
-    print(f"loss {first:.4f} -> {last:.4f} ({'falling' if last < first else 'NOT falling'})")
+
+def _report(pipe: Pipe, args: argparse.Namespace, rates: Sequence[float],
+            timelines: Sequence[object], meter: SavedActivationMeter) -> None:
+    """The closing table, the timeline picture and where it was written."""
+    p = len(pipe.devices)
+    m = len(microbatch.split_sizes(args.batch, pipe.chunks))
+    steady = rates[-max(1, len(timelines)):]  # the traced last steps (after any search)
+    bubble = statistics.mean(t.bubble_fraction for t in timelines) if timelines else float("nan")
+    memory = " / ".join(format_bytes(b) for b in meter.peak_bytes)
+    print()
+    print(table(["schedule", "chunks", "samples/s", "bubble measured", "(p-1)/(m+p-1)",
+                 "peak saved activations per stage"],
+                [[pipe.schedule, str(m), f"{statistics.median(steady):.1f}", f"{bubble:.1%}",
+                  f"{(p - 1) / (m + p - 1):.1%}", memory]]))
+    print("memory: bytes of tensors autograd saved for backward, per stage, at their peak "
+          "(checkpointed micro-batches keep only their input, not counted)")
+    if any(d.type == "cuda" for d in pipe.devices):
+        print("CUDA peak allocated per stage's device: "
+              + " / ".join(format_bytes(b) for b in cuda_peaks(pipe.devices)))
+    if pipe.chunk_search is not None:
+        rates_by_count = {c: f"{pipe.chunk_search.throughput(c):.0f}"
+                          for c in sorted(pipe.chunk_search.measurements)}
+        print(f"chunks='auto' measured samples/s per count: {rates_by_count}")
+    if timelines:
+        _picture(timelines[-1], args.picture)
+
+
+def _picture(timeline: object, path: str) -> None:
+    print()
+    print(render.ascii(timeline, width=80))
+    if not path:
+        return
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        render.png(timeline, path)
+        print(f"timeline picture written to {path}")
+    except ImportError:
+        print("no PNG written: matplotlib is not installed (pip install matplotlib)")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain text table with columns as wide as their widest cell."""
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
+    lines = [headers, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(f"{c:<{w}}" for c, w in zip(line, widths)).rstrip()
+                     for line in lines)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .nn import FusedLayerNorm, FusedMLP
+
 
 class Embedding(nn.Module):
     """Token plus learned position embedding: ``(batch, seq)`` ids to ``(batch, seq, dim)``."""
@@ -19,21 +21,26 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block with causal self-attention and a GELU MLP."""
+    """Pre-norm transformer block with causal self-attention and a GELU MLP. ``fused``: the
+    norms and the MLP (with its residual add) are ``fastpipe.nn`` modules on fused ops."""
 
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, fused: bool = False) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
+        norm = FusedLayerNorm if fused else nn.LayerNorm
+        self.fused = fused
+        self.norm1 = norm(dim)
         self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim),
-                                 nn.Dropout(dropout))
+        self.norm2 = norm(dim)
+        self.mlp = FusedMLP(dim, 4 * dim, dropout) if fused else nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
         mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
         h = self.norm1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        if self.fused:
+            return self.mlp(self.norm2(x), residual=x)
         return x + self.mlp(self.norm2(x))
 
 
@@ -50,10 +57,12 @@ class Head(nn.Module):
 
 
 def gpt(vocab: int = 64, dim: int = 64, heads: int = 4, layers: int = 4, max_len: int = 64,
-        dropout: float = 0.0) -> nn.Sequential:
-    """Embedding, ``layers`` transformer blocks and an LM head, as one ``nn.Sequential``."""
+        dropout: float = 0.0, fused: bool = False) -> nn.Sequential:
+    """Embedding, ``layers`` transformer blocks and an LM head, as one ``nn.Sequential``;
+    ``fused`` builds the blocks from fastpipe's fused modules (the same parameters; the MLP's
+    linears are named ``mlp.fc1`` and ``mlp.fc2`` instead of ``mlp.0`` and ``mlp.2``)."""
     return nn.Sequential(Embedding(vocab, dim, max_len),
-                         *[Block(dim, heads, dropout) for _ in range(layers)],
+                         *[Block(dim, heads, dropout, fused) for _ in range(layers)],
                          Head(dim, vocab))
 
 

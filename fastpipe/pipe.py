@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+import time
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from . import microbatch
+from . import amp, batchnorm, microbatch, tied as tied_weights
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
-                        check_module, check_timeout, check_virtual_stages, check_workers,
+                        check_flag, check_module, check_timeout, check_virtual_stages, check_workers,
                         default_partitions, resolve_devices, split)
+from .runtime import stash
 from .runtime.stage import Stage
-from .runtime import auto
+from .skip import exchange as skip_exchange, layout as skip_layout
+from .runtime import adaptive, auto, graphs
 from .runtime.step import StepState
 from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
@@ -35,13 +38,18 @@ class Pipe(nn.Module):
     Args:
         module: the model, an ``nn.Sequential``; its layers are moved to the stages' devices.
         chunks: number of micro-batches each batch is split into (``torch.chunk`` semantics: a
-            batch of 5 in 4 chunks gives micro-batches of 2, 2 and 1).
+            batch of 5 in 4 chunks gives micro-batches of 2, 2 and 1). ``'auto'``: the first
+            training steps measure the throughput of candidate counts and the pipe keeps the
+            best (``fastpipe.runtime.adaptive``; logged, measurements in ``chunk_search``).
         devices: one device per stage (``'cpu'``, ``'cuda:N'``; a device may repeat). Default: the
             CUDA devices, or the CPU.
         balance: layers per stage. ``None`` splits by parameter count into one stage per device;
             ``fastpipe.balance.by_time`` / ``by_size`` give profiled balances.
         checkpoint: ``'never'``, ``'except_last'`` (all micro-batches but the last recompute their
-            forward in backward) or ``'always'``.
+            forward in backward), ``'always'``, or ``'offload'`` (nothing recomputed: the tensors
+            saved for backward wait in host memory, see ``fastpipe.offload``), or ``'selective'``
+            (matrix-product outputs kept, everything else recomputed in backward, see
+            ``fastpipe.selective``).
         schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
             ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``), or
             ``'auto'``: the first ``train_step`` runs 1F1B (looped BFS with virtual stages),
@@ -58,20 +66,40 @@ class Pipe(nn.Module):
             stage) while actions are long, one in all when the measured time per action is so
             short that hand-offs between threads would cost more than the overlap gains.
             Each GPU stage always has its own thread.
+        deferred_batch_norm: normalise each micro-batch with its own statistics but update
+            batch-norm running statistics once per mini-batch, from all its micro-batches, so
+            they match the plain model's (torchgpipe's semantics; see ``fastpipe.batchnorm``).
+        tied: groups of parameters to tie, by plain-module name or as Parameters, e.g.
+            ``[('0.weight', '5.weight')]``: each group becomes the first one's Parameter. Layers
+            of several stages sharing a Parameter (tied in the module or here) keep sharing it,
+            across devices too (see ``fastpipe.tied``). Skip connections between layers are
+            declared on the layers (see ``fastpipe.skip``).
+        cuda_graphs: capture each CUDA stage's forward and backward as CUDA graphs, per input
+            shape and dtype, and replay them in training steps (fewer kernel launches; see
+            ``fastpipe.runtime.graphs``). CPU stages, unusual inputs and failed captures run
+            eagerly, with one warning each.
+        vertical_sync: with ``schedule='pipedream'``, run each micro-batch on every stage with
+            the weight version stage 0 gave it (see ``fastpipe.runtime.stash``).
     """
 
-    def __init__(self, module: nn.Sequential, chunks: int = 1,
+    def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
                  schedule: str = "gpipe", *, virtual_stages: int = 1, timeout: float = 300.0,
-                 cpu_workers: Optional[int] = None) -> None:
+                 cpu_workers: Optional[int] = None, deferred_batch_norm: bool = False,
+                 tied: Sequence[Sequence[Any]] = (), vertical_sync: bool = False,
+                 cuda_graphs: bool = False) -> None:
         super().__init__()
         module = check_module(module)
-        self._chunks = check_chunks(chunks)
+        self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
+        self._chunks = 1 if self._auto_chunks else check_chunks(chunks)
+        object.__setattr__(self, "chunk_search", None)  # chunks='auto': an adaptive.ChunkSearch
         self._checkpoint = check_mode(checkpoint)
         self._timeout = check_timeout(timeout)
         self._virtual = check_virtual_stages(virtual_stages)
         workers = check_workers(cpu_workers)
+        deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
+        use_graphs = check_flag(cuda_graphs, "cuda_graphs")
         v = self._virtual
         self._schedule_name = auto.check_name(schedule)
         self._auto = self._schedule_name == "auto"
@@ -85,17 +113,31 @@ class Pipe(nn.Module):
             stages = max(1, min(default_partitions(module, devices), len(module) // v))
             balance = auto_balance(module, stages * v)
         self._balance = tuple(check_balance(balance, module))
+        skips = skip_layout.plan(module, self._balance)  # raises for inconsistent skip names
+        tie_groups = tied_weights.check(module, tied)
+        asynchronous = self._schedule_name == "pipedream"
+        if check_flag(vertical_sync, "vertical_sync") and not asynchronous:
+            raise ValueError(f"vertical_sync=True applies to schedule='pipedream' only, got "
+                             f"schedule={schedule!r}")
         num_stages = check_chunk_count(len(self._balance), v)
         self._devices = tuple(resolve_devices(devices, num_stages))
+        if self._auto_chunks:
+            self._chunks = adaptive.first_count(num_stages, self._accepts)
         plan = self.plan(self._chunks)  # raises for a schedule that cannot run this layout
+        tied_weights.tie(module, tie_groups)
         self.module = module
         parts = split(module, self._balance)
         where = [self._devices[plan.stage_of(k)[0]] for k in range(len(parts))]
         for part, device in zip(parts, where):
             part.to(device)
         object.__setattr__(self, "_partitions", nn.ModuleList(parts))
-        object.__setattr__(self, "_stages", [Stage(k, part, device) for k, (part, device)
-                                             in enumerate(zip(parts, where))])
+        object.__setattr__(self, "_stages", [Stage(k, part, device, deferred_batch_norm=deferred)
+                                             for k, (part, device) in enumerate(zip(parts, where))])
+        tied_weights.bind(self._stages, tied_weights.find(module, self._balance))
+        skip_exchange.wire(self._stages, skips)
+        if use_graphs:
+            graphs.enable(self._stages)
+        self._pipedream = stash.PipeDream(self._stages, vertical_sync) if asynchronous else None
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
         object.__setattr__(self, "_trace", None)
 
@@ -117,7 +159,8 @@ class Pipe(nn.Module):
 
     @property
     def chunks(self) -> int:
-        """Requested number of micro-batches per batch."""
+        """Number of micro-batches per batch: the one requested, or with ``chunks='auto'`` the
+        one the next step runs (the chosen one once ``chunk_search.chosen`` is set)."""
         return self._chunks
 
     @property
@@ -161,32 +204,50 @@ class Pipe(nn.Module):
 
     # ---------------------------------------------------------------- running
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                   *, loss_reduction: str = "mean") -> torch.Tensor:
+                   *, loss_reduction: str = "mean", scaler: Optional[Any] = None,
+                   optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
         """Forward and backward of one batch on the pipe's schedule; returns the (detached) loss.
 
         Adds to every parameter's ``.grad`` what ``loss_fn(module(inputs), targets).backward()``
         adds. ``loss_reduction='mean'`` weights each micro-batch's loss by its share of the batch
         (exact for losses that average over the batch); ``'sum'`` adds them (for summed losses).
+        ``scaler``: a ``torch.amp.GradScaler``; each micro-batch's backward starts from its
+        scaled loss (the returned loss is unscaled); then ``scaler.step(optimizer)`` with one
+        optimizer over ``pipe.parameters()`` and ``scaler.update()``, or pass ``optimizer``
+        (see ``fastpipe.amp``).
+        ``optimizer``: stepped once after the backward (through ``scaler`` when given); it does
+        not zero the gradients: call ``optimizer.zero_grad()`` before each step as usual. Under
+        ``schedule='pipedream'`` it is required, and each stage steps it on its own parameters
+        after every micro-batch's backward, with that micro-batch's gradient (``.grad`` then
+        holds the last one); see ``fastpipe.runtime.stash`` for the exact semantics.
         """
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' (losses averaged over "
                              f"the batch) or 'sum' (losses summed over the batch)")
+        scaler = amp.check_scaler(scaler)
+        stash.check_optimizer_argument(optimizer, self._pipedream is not None, scaler)
         total = microbatch.batch_size(inputs, argument="inputs")
         target_total = microbatch.batch_size(targets, argument="targets")
         if target_total != total:
             raise ValueError(f"targets has batch size {target_total} but inputs has {total}; "
                              f"give one target per input sample")
-        sizes = microbatch.split_sizes(total, self._chunks)
+        sizes = microbatch.split_sizes(total, self._step_chunks(total))
+        start = time.perf_counter()
         schedule = self.plan(len(sizes))
         weights = [s / total for s in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
         step = self._new_step(microbatch.scatter(inputs, sizes), train=True, grad_enabled=True,
                               stop=checkpoint_stop(self._checkpoint, len(sizes)),
                               targets=microbatch.scatter(targets, sizes), loss_fn=loss_fn,
-                              loss_weights=weights)
+                              loss_weights=weights, scaler=scaler)
         step.split = schedule.split_backwards
+        if self._pipedream is not None:
+            step.handlers = self._pipedream.handlers(optimizer)
         self._run(schedule.actions, step, schedule)
+        if optimizer is not None and self._pipedream is None:
+            stash.step_optimizer(optimizer, scaler)
+        self._measured(total, start)
         return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
 
     def forward(self, inputs: Any) -> Any:
@@ -207,15 +268,59 @@ class Pipe(nn.Module):
         self._run(schedule.forward_actions, step, schedule)
         return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
 
+    def evaluate(self, inputs: Any) -> Any:
+        """Inference: the forward pass in eval mode (dropout off, batch norms use their running
+        statistics) without autograd, so nothing is checkpointed, recomputed or kept for a
+        backward. The modules' train/eval modes are restored afterwards."""
+        modes = [(m, m.training) for m in self.modules()]
+        self.eval()
+        try:
+            with torch.no_grad():
+                return self(inputs)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    def _accepts(self, num_microbatches: int) -> bool:
+        """Whether the pipe's schedule can run ``num_microbatches``."""
+        try:
+            self.plan(num_microbatches)
+        except ValueError:
+            return False
+        return True
+
+    def _step_chunks(self, total: int) -> int:
+        """The micro-batch count of the next training step; ``chunks='auto'`` searches it."""
+        if self._auto_chunks and self.chunk_search is None:
+            search = adaptive.ChunkSearch(
+                adaptive.candidate_counts(len(self._devices), total), self._chunks,
+                lambda m: self._accepts(len(microbatch.split_sizes(total, m))))
+            object.__setattr__(self, "chunk_search", search)
+            self._chunks = search.next()
+        return min(self._chunks, total) if self._auto_chunks else self._chunks
+
+    def _measured(self, total: int, start: float) -> None:
+        """``chunks='auto'``: report the step's time to the search, take its next count."""
+        search = self.chunk_search
+        if search is None or search.chosen is not None:
+            return
+        adaptive.wait_for(self._devices)
+        search.record(self._chunks, total, time.perf_counter() - start)
+        self._chunks = search.next()
+
     def _run(self, programs: Sequence[Sequence[Any]], step: StepState, schedule: Schedule) -> None:
         trace = self._trace
         if trace is not None or (self._auto and step.train):
             step.recorder = StepRecorder(len(self._devices))
         _order_streams(self._stages, before=True)
+        batchnorm.discard(self._stages)
+        graphs.before_step(self._stages, step.train)
         try:
             self._workers.executor().run(programs, step, schedule)
         finally:
             _order_streams(self._stages, before=False)
+        graphs.after_step(self._stages)
+        batchnorm.commit(self._stages)
         self._workers.observe(step)
         if step.recorder is not None:
             timeline = step.recorder.timeline(dict(enumerate(self._devices)), self._timeout)
@@ -238,7 +343,7 @@ class Pipe(nn.Module):
             stage.rng.reset()
         return StepState(stages=self._stages, inputs=inputs, train=train, seed=draw_step_seed(),
                          checkpoint_stop=stop, timeout=self._timeout, grad_enabled=grad_enabled,
-                         **kwargs)
+                         checkpoint_mode=self._checkpoint, **kwargs)
 
     # ---------------------------------------------------------------- plain-module names
     def named_parameters(self, prefix: str = "", recurse: bool = True,

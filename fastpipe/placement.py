@@ -30,10 +30,18 @@ def check_module(module: object) -> nn.Sequential:
 def check_chunks(chunks: object) -> int:
     """``chunks`` is the number of micro-batches: an int of at least 1."""
     if isinstance(chunks, bool) or not isinstance(chunks, int):
-        raise TypeError(f"chunks must be an int (the number of micro-batches), got {chunks!r}")
+        raise TypeError(f"chunks must be an int (the number of micro-batches) or 'auto', got "
+                        f"{chunks!r}")
     if chunks < 1:
         raise ValueError(f"chunks must be at least 1 (the number of micro-batches), got {chunks}")
     return chunks
+
+
+def check_flag(value: object, argument: str) -> bool:
+    """A switch argument must be a bool (not a truthy string such as ``'false'``)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{argument} must be True or False, got {value!r}")
+    return value
 
 
 def check_timeout(timeout: object) -> float:

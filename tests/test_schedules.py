@@ -120,7 +120,7 @@ def test_registry_has_builtin_schedules():
     assert get_schedule("GPipe", 3, 4) == gpipe(3, 4)
 
 
-@pytest.mark.parametrize("bad", ["pipedream", "", "1F1B-interleaved", None])
+@pytest.mark.parametrize("bad", ["pipedream-2bw", "", "1F1B-interleaved", None])
 def test_get_schedule_unknown_name(bad):
     with pytest.raises(ValueError) as info:
         get_schedule(bad, 2, 2)

@@ -303,3 +303,28 @@ def test_cuda_source_freed_during_copy_is_not_reused():
         side.synchronize()
         assert torch.equal(dst, torch.full((n,), float(i))), f"iteration {i}"
         del junk
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_cuda_kernel
+def test_cuda_side_stream_stress_many_microbatches():
+    """Hops on the copy streams, with consumers on other streams and every tensor freed at once
+    and its memory reallocated: each micro-batch still arrives intact, both ways."""
+    g = torch.Generator().manual_seed(2)
+    consumers = [torch.cuda.Stream() for _ in range(2)]
+    results = []
+    for i in range(300):
+        n = int(torch.randint(1, 1 << 18, (1,), generator=g))
+        host = torch.full((n,), float(i)).pin_memory()
+        with torch.cuda.stream(consumers[i % 2]):
+            (dev,) = transfer([host], "cuda", non_blocking=True)
+            doubled = dev * 2  # runs on the consumer stream, after the copy
+            del dev
+            junk = torch.full((n,), -1.0, device="cuda")  # would reuse dev's block if unrecorded
+            (back,) = transfer([doubled], "cpu", non_blocking=True)
+            del doubled, junk
+        results.append((i, n, back, consumers[i % 2]))
+    for i, n, back, stream in results:
+        stream.synchronize()
+        assert torch.equal(back, torch.full((n,), 2.0 * i)), f"micro-batch {i}"

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import _native
+from . import registry
 
 __all__ = ["OP_NAME", "DeviceLike", "reference_transfer", "register_python_impls", "transfer"]
 
@@ -187,7 +188,7 @@ def register_python_impls() -> bool:
     global _registered
     with _register_lock:
         if not _registered and _op_defined():
-            torch.library.register_fake(OP_NAME, _fake_transfer)
+            registry.register_fake(OP_NAME, _fake_transfer)  # the library's fake module
             torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context)
             _registered = True
     return _registered

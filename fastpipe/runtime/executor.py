@@ -140,7 +140,7 @@ class LocalExecutor:
         try:
             with stage.context():
                 token = step.recorder.begin(stage) if step.recorder else None
-                self.handlers[action.kind](step, stage, action)
+                (step.handlers or self.handlers)[action.kind](step, stage, action)
             if step.recorder:
                 step.recorder.end(stage, action, token)
         except PipelineError as error:

@@ -1,9 +1,10 @@
 """Moving one stage's boundary tensors to the next stage's device, with stream ordering.
 
 On the CPU a hop is a plain (possibly zero-copy) move. On CUDA the copy goes through the
-``fastpipe::transfer`` op, an event is recorded after it, and the receiving stage's stream waits
-on that event before it touches the tensors (which are recorded on that stream, so the caching
-allocator cannot hand their memory out early).
+``fastpipe::transfer`` op, which runs it on a dedicated copy stream of the (source, destination)
+pair and orders the destination's current stream after it; an event is then recorded on that
+stream, and the receiving stage's stream waits on it before it touches the tensors (which are
+recorded on the receiving stream, so the caching allocator cannot hand their memory out early).
 """
 from __future__ import annotations
 

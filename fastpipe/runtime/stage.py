@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
 
+from ..amp import autocast_regions, autocast_state
+from ..batchnorm import DeferredNorms
 from ..checkpoint import RngReplay, checkpointed, is_recomputing
 
 
@@ -16,7 +18,8 @@ _NO_STREAM = contextlib.nullcontext()  # reusable: CPU stages enter it for every
 class Stage:
     """A contiguous slice of the model placed on one device (a virtual stage of the pipeline)."""
 
-    def __init__(self, index: int, module: nn.Sequential, device: torch.device) -> None:
+    def __init__(self, index: int, module: nn.Sequential, device: torch.device, *,
+                 deferred_batch_norm: bool = False) -> None:
         self.index = index
         self.module = module
         self.device = device
@@ -25,6 +28,13 @@ class Stage:
             torch.cuda.Stream(device) if device.type == "cuda" else None)
         self._norms = [m for m in module.modules()
                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        # batch-norm running statistics updated once per mini-batch (see fastpipe.batchnorm)
+        self.deferred: Optional[DeferredNorms] = (
+            DeferredNorms(module) if deferred_batch_norm else None) or None
+        # how ``run`` calls the layers: the module, or a wrapper around it (fastpipe.tied copies
+        # weights from another device; fastpipe.skip packs skip tensors with the input)
+        self.call: Callable[[Any], Any] = module
+        self.skips: Optional[Any] = None  # a fastpipe.skip.exchange.StageSkips, when it has skips
 
     def context(self) -> ContextManager[Any]:
         """The stream (CUDA) in which this stage's work is issued; a no-op on the CPU."""
@@ -35,18 +45,26 @@ class Stage:
     def run(self, inputs: Any, seed: int) -> Any:
         """The stage's layers on one micro-batch, drawing random numbers from ``seed`` (so a
         recomputation with the same seed draws the same ones)."""
-        with self._keep_running_stats():
+        with self._keep_running_stats(), (
+                self.deferred.deferring() if self.deferred else _NO_STREAM):
             if self.rng.stochastic is False:  # probed this step: draws no random numbers
-                return self.module(inputs)
+                return self.call(inputs)
             with self.rng.scope(seed):
-                return self.module(inputs)
+                return self.call(inputs)
 
     def forward(self, inputs: Any, seed: int, checkpoint: bool) -> Any:
         """``run`` with, if ``checkpoint``, only the input kept for a recomputation in backward
         (an autograd function, so the output can be backpropagated by the caller)."""
         if not checkpoint:
             return self.run(inputs, seed)
-        return checkpointed(lambda x: self.run(x, seed), inputs)
+        # the recomputation runs in the caller's backward, on any thread, maybe outside the
+        # autocast region of this forward: it re-enters that region
+        regions = autocast_state([self.device.type])
+
+        def run(x: Any) -> Any:
+            with autocast_regions(regions):
+                return self.run(x, seed)
+        return checkpointed(run, inputs)
 
     def parameters(self) -> list:
         """The stage's parameters that take gradients (what a weight-gradient action fills)."""

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ..amp import autocast_regions, autocast_state, scale_loss
 from ..checkpoint import (backward_pairs, checkpointing, grad_pairs, microbatch_seed,
                           recomputing)
+from .. import offload
+from ..selective import run_stage
 from ..schedule import Action, ActionKind
 from .hop import Parcel, land, ship
 from .mailbox import Abort, Mailbox
@@ -44,9 +47,11 @@ class StepState:
     checkpoint_stop: int
     timeout: float
     grad_enabled: bool = True
+    checkpoint_mode: str = "never"  # the Pipe's checkpoint mode (offload picks contexts by it)
     targets: Optional[Sequence[Any]] = None
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
     loss_weights: Optional[Sequence[float]] = None
+    scaler: Optional[Any] = None  # a GradScaler: backward starts from the scaled loss
     abort: Abort = field(default_factory=Abort)
     split: AbstractSet[Tuple[int, int]] = frozenset()  # (stage, micro-batch) with a W
     saved: Dict[Tuple[int, int], "Held"] = field(default_factory=dict)
@@ -56,19 +61,19 @@ class StepState:
     completed: int = 0
     busy: List[float] = field(default_factory=list)  # seconds spent in actions, per worker
     recorder: Optional[Any] = None  # a trace.StepRecorder while the pipe is traced
+    handlers: Optional[Dict[ActionKind, Any]] = None  # replaces the executor's table (PipeDream)
     inflight: Dict[int, int] = field(default_factory=dict)  # micro-batches held, per stage
     peak_inflight: Dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.mailboxes: List[Mailbox] = []  # wired by the executor
-        self.autocast = _ambient_autocast({stage.device.type for stage in self.stages})
+        self.autocast = autocast_state(stage.device.type for stage in self.stages)
 
     def ambient(self) -> contextlib.ExitStack:
         """Re-enter, on a worker thread, the caller's thread-local grad mode and autocast state."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-        for device_type, dtype in self.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        stack.enter_context(autocast_regions(self.autocast))
         return stack
 
     @property
@@ -84,12 +89,6 @@ class StepState:
     def done(self) -> None:
         """Count a finished action (the executor's watchdog only looks for change)."""
         self.completed += 1
-
-
-def _ambient_autocast(device_types: Set[str]) -> List[Tuple[str, torch.dtype]]:
-    """The autocast regions active on the calling thread, for the stages' device types."""
-    return [(kind, torch.get_autocast_dtype(kind)) for kind in sorted(device_types)
-            if torch.is_autocast_enabled(kind)]
 
 
 _BARE = object()  # the spec of a value that is a single tensor (the common case, kept fast)
@@ -129,6 +128,8 @@ def _send(step: StepState, dst: int, key: Tuple[str, int], value: Any, detach: b
 
 def is_ready(step: StepState, stage: Stage, action: Action) -> bool:
     """Whether ``action`` can run now without waiting: its input has arrived (or it needs none)."""
+    if stage.skips is not None and not stage.skips.ready(step, action):
+        return False  # a skip tensor (F) or its gradient (B) has not arrived (fastpipe.skip)
     if action.kind == ActionKind.FORWARD:
         return stage.index == 0 or step.mailboxes[stage.index].has(("act", action.microbatch))
     if action.kind == ActionKind.BACKWARD:
@@ -190,7 +191,7 @@ def _backprop_roots(step: StepState, stage: Stage, mb: int, output: Any) -> List
     if stage.index == step.last:
         loss = _loss(step, stage, mb, output)
         step.losses.setdefault(mb, loss.detach())
-        return [loss]
+        return [scale_loss(step.scaler, loss)]
     return [x for x in _flatten(output)[0] if isinstance(x, torch.Tensor)]
 
 
@@ -198,10 +199,14 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
     """F: run one micro-batch through the stage and pass the result on."""
     mb = action.microbatch
     inputs, boundary = _stage_input(step, stage, action)
+    if stage.skips is not None:  # pack the popped skip tensors with the input (fastpipe.skip)
+        inputs, boundary = stage.skips.receive(step, stage, action, inputs, boundary)
     seed = microbatch_seed(step.seed, stage.index, mb)
     checkpoint = step.grad_enabled and mb < step.checkpoint_stop
     if not step.train:
-        output = stage.forward(inputs, seed, checkpoint)
+        output = (stage.forward(inputs, seed, True) if checkpoint
+                  else run_stage(step.checkpoint_mode, stage, inputs, seed))  # fastpipe.selective
+        output, _ = _skips_out(step, stage, mb, output, False)
         if stage.index == step.last:
             step.outputs[mb] = output
         else:
@@ -209,24 +214,36 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
         return
     if checkpoint:  # keep the input only; backward recomputes the forward
         with torch.no_grad(), checkpointing():
-            output = stage.run(inputs, seed)
+            output, _ = _skips_out(step, stage, mb, stage.run(inputs, seed), True)
         held = Held(boundary, inputs=inputs)
         if stage.index == step.last:
             with torch.no_grad():
                 step.losses[mb] = _loss(step, stage, mb, output).detach()
     else:
-        output = stage.run(inputs, seed)
-        held = Held(boundary, outputs=_backprop_roots(step, stage, mb, output))
+        with offload.forward_context(step.checkpoint_mode, stage, mb, boundary):
+            output = run_stage(step.checkpoint_mode, stage, inputs, seed)  # fastpipe.selective
+            output, stashed = _skips_out(step, stage, mb, output, False)
+            held = Held(boundary, outputs=_backprop_roots(step, stage, mb, output) + stashed)
     step.saved[(stage.index, mb)] = held
     step.hold(stage.index, 1)
     if stage.index != step.last:
         _send(step, stage.index + 1, ("act", mb), output, detach=True, differentiable=checkpoint)
 
 
+def _skips_out(step: StepState, stage: Stage, mb: int, output: Any,
+               differentiable: bool) -> Tuple[Any, List[torch.Tensor]]:
+    """Send what a stage stashed for later stages (``fastpipe.skip``); its own output and the
+    stashed tensors, extra roots of its backward. A stage without skips passes through."""
+    if stage.skips is None:
+        return output, []
+    return stage.skips.send(step, mb, output, differentiable)
+
+
 def _recompute(step: StepState, stage: Stage, mb: int, held: Held) -> None:
     with torch.enable_grad(), recomputing():
         output = stage.run(held.inputs, microbatch_seed(step.seed, stage.index, mb))
-        held.outputs = _backprop_roots(step, stage, mb, output)
+        output, stashed = stage.skips.split(output) if stage.skips is not None else (output, [])
+        held.outputs = _backprop_roots(step, stage, mb, output) + stashed  # stashed: not re-sent
     held.inputs = None
 
 
@@ -235,12 +252,15 @@ def backward_action(step: StepState, stage: Stage, action: Action) -> None:
     has a W for it, B computes the input gradient only and keeps the graph for W."""
     mb = action.microbatch
     held = step.saved[(stage.index, mb)]
+    offload.prefetch(step.checkpoint_mode, stage, mb)
     if held.inputs is not None:
         _recompute(step, stage, mb, held)
     if stage.index == step.last:
         grads: List[Optional[torch.Tensor]] = [torch.ones_like(held.outputs[0])]
     else:
         grads = list(_receive(step, stage, ("grad", mb), action).parcel.tensors)
+    if stage.skips is not None:  # the gradients of the tensors it stashed for later stages
+        grads += stage.skips.receive_grads(step, stage, action)
     if (stage.index, mb) in step.split:
         input_grads = _input_grads(held, grads)
         held.grads = grads
@@ -248,6 +268,8 @@ def backward_action(step: StepState, stage: Stage, action: Action) -> None:
         backward_pairs(held.outputs, grads)
         input_grads = [x.grad if x.requires_grad else None for x in held.boundary]
         _release(step, stage, mb)
+    if stage.skips is not None:  # the popped tensors' gradients go back to their producers
+        input_grads = stage.skips.send_grads(step, mb, input_grads)
     if stage.index > 0:
         parcel = ship(input_grads, step.stages[stage.index - 1].device)
         step.mailboxes[stage.index - 1].put(("grad", mb), Message(None, [], parcel, []))

@@ -15,6 +15,7 @@ from .ir import Action, ActionKind, Schedule, ScheduleError, check_count
 from .looped_bfs import looped_bfs
 from .lower import Comm, CommGroup, CommKind, Op, Payload, format_program, lower
 from .one_f_one_b import one_f_one_b
+from .pipedream import pipedream
 from .simulator import Costs, SimulationResult, simulate
 from .timeline import Event, Timeline
 from .validate import ValidationReport, peak_inflight, run_lockstep, validate
@@ -47,6 +48,7 @@ __all__ = [
     "lower",
     "one_f_one_b",
     "peak_inflight",
+    "pipedream",
     "register_schedule",
     "run_lockstep",
     "simulate",
@@ -95,3 +97,7 @@ register_schedule("looped-bfs")(looped_bfs)
 register_schedule("zb-h1")(zb_h1)
 register_schedule("zbv")(zbv)
 register_schedule("dualpipev")(dualpipev)
+register_schedule("pipedream")(pipedream)
+
+ASYNCHRONOUS = frozenset({"pipedream"})
+"""Schedules that update weights inside a step (not flushes): never picked automatically."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
-from . import SCHEDULES, get_schedule
+from . import ASYNCHRONOUS, SCHEDULES, get_schedule
 from .ir import Schedule, check_count
 from .simulator import Costs, simulate
 
@@ -104,8 +104,8 @@ def _per_stage(name: str, value: Sequence[float], num_stages: int) -> Sequence[f
 
 
 def _names(schedules: Iterable[str] | None) -> list[str]:
-    if schedules is None:
-        return sorted(SCHEDULES)
+    if schedules is None:  # asynchronous ones change the optimisation: only when asked for
+        return sorted(set(SCHEDULES) - ASYNCHRONOUS)
     names = [name.lower() if isinstance(name, str) else name for name in schedules]
     unknown = [name for name in names if name not in SCHEDULES]
     if unknown:

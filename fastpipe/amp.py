@@ -1,0 +1,91 @@
+"""Mixed precision in a pipeline: autocast on every stage thread, and loss scaling.
+
+Autocast state is thread-local, so a stage running on a worker thread would not see the caller's
+``torch.autocast`` region. The step runtime re-enters the caller's regions on each worker
+(``StepState.ambient``), and a checkpointed forward re-enters the regions of its first run when
+it is recomputed in backward (``autocast_state`` / ``autocast_regions``), on whatever thread.
+
+Loss scaling (``torch.amp.GradScaler``): ``train_step(..., scaler=scaler)`` scales each
+micro-batch's loss before its backward (``scale_loss``). ``scaler.step(optimizer)`` then finds
+an inf/NaN gradient of any stage when one optimizer holds all stages' parameters (the local
+pipe). When each process holds only its own stages' parameters (a distributed pipeline),
+``unscale_and_sync`` makes the ranks agree, so all of them skip the same steps.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, List, Optional, Tuple
+
+import torch
+
+AutocastState = List[Tuple[str, torch.dtype]]
+
+
+def autocast_state(device_types: Iterable[str]) -> AutocastState:
+    """The autocast regions active on the calling thread for ``device_types``."""
+    return [(kind, torch.get_autocast_dtype(kind)) for kind in sorted(set(device_types))
+            if torch.is_autocast_enabled(kind)]
+
+
+def autocast_regions(state: AutocastState) -> contextlib.ExitStack:
+    """A context that re-enters the regions of ``autocast_state`` (on any thread)."""
+    stack = contextlib.ExitStack()
+    for device_type, dtype in state:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype))
+    return stack
+
+
+def check_scaler(scaler: Any) -> Optional[Any]:
+    """``scaler`` must be ``None`` or a ``torch.amp.GradScaler`` (anything with ``scale``,
+    ``unscale_``, ``step`` and ``update``)."""
+    if scaler is None:
+        return None
+    if not all(callable(getattr(scaler, name, None))
+               for name in ("scale", "unscale_", "step", "update")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (or None), got {scaler!r}; "
+                        f"e.g. scaler=torch.amp.GradScaler('cuda')")
+    return scaler
+
+
+def scale_loss(scaler: Optional[Any], loss: torch.Tensor) -> torch.Tensor:
+    """The tensor a micro-batch's backward starts from: the loss, scaled when a scaler is given."""
+    return loss if scaler is None else scaler.scale(loss)
+
+
+def unscale_and_sync(scaler: Any, optimizer: torch.optim.Optimizer,
+                     group: Optional[Any] = None) -> None:
+    """Unscale this rank's gradients and agree with every rank of ``group`` on whether any
+    gradient anywhere is inf or NaN, so ``scaler.step(optimizer)`` skips the step on every
+    rank together and ``scaler.update()`` moves every rank's scale alike.
+
+    Call after the step's backward and before ``scaler.step(optimizer)``, on every rank (it is
+    a collective: an all-reduce of one flag). Ranks whose stages never saw the loss start their
+    scale at the scaler's ``init_scale``, like the rank that scaled it, and keep in step with it
+    since every rank then sees the same verdicts. Uses ``GradScaler``'s private but long-stable
+    per-optimizer state (``_per_optimizer_states``).
+    """
+    import torch.distributed as dist
+
+    if not scaler.is_enabled():
+        return
+    if scaler._scale is None:  # only the rank with the loss called scaler.scale(loss)
+        scaler._lazy_init_scale_growth_tracker(_grad_device(optimizer))
+    scaler.unscale_(optimizer)
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    home = scaler._scale.device
+    flag = torch.zeros((), dtype=torch.float32, device=home)
+    for value in found.values():
+        flag = torch.maximum(flag, value.to(home))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    for device, value in found.items():
+        value.copy_(flag.to(device))
+    found.setdefault(home, flag)  # a rank without gradients still records the verdict
+
+
+def _grad_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """The device of the optimizer's first gradient (where the scale tensor should live)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return p.grad.device
+    return torch.device("cpu")

@@ -1,0 +1,156 @@
+"""The runtime half of skip connections: a stage's forward frame, and the mailbox exchange.
+
+A stage with skips runs its layers as ``(input, {name: popped}) -> (output, {name: stashed})``
+(:class:`Framed`, the stage's ``call``), so checkpointing treats the skip tensors as inputs and
+outputs like any other and a recomputation stashes again without sending. Skip tensors travel
+as ``Message`` values under the key ``("skip", name, micro-batch)`` in the consumer's mailbox, and
+their gradients under ``("skipgrad", name, micro-batch)`` in the producer's: the consumer runs its
+backward first (it is downstream), so the producer's backward waits for that gradient and adds
+it to its own. A front door that routes mailbox keys between processes carries them unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..runtime.hop import ship
+from ..runtime.step import Message, StepState, _as_leaf, _receive, _send
+from ..schedule import Action, ActionKind
+from . import api
+from .layout import StageSkips
+
+Tensors = Dict[str, torch.Tensor]
+
+
+class StageFrame:
+    """The skip tensors of one forward pass of one stage (what ``stash`` / ``pop`` reach)."""
+
+    def __init__(self, skips: StageSkips, incoming: Tensors) -> None:
+        self.skips = skips
+        self.sends = {name for name, _ in skips.sends}
+        self.incoming = dict(incoming)
+        self.local: Tensors = {}
+        self.outgoing: Tensors = {}
+        self.stashed: set = set()
+
+    def stash(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.stashed:
+            raise api.SkipError(f"skip {name!r} was stashed twice in one forward of stage "
+                                f"{self.skips.index}; stash each name once")
+        if name in self.sends:
+            self.outgoing[name] = tensor
+        elif name in self.skips.local:
+            self.local[name] = tensor
+        else:
+            raise api.SkipError(f"stash({name!r}) ran in stage {self.skips.index}, whose layers "
+                                f"do not declare it; add it to @skippable(stash=[...]) of the "
+                                f"layer that stashes it")
+        self.stashed.add(name)
+
+    def pop(self, name: str) -> torch.Tensor:
+        if name in self.local:
+            return self.local.pop(name)
+        if name in self.incoming:
+            return self.incoming.pop(name)
+        raise api.SkipError(f"pop({name!r}) in stage {self.skips.index} found no tensor: no "
+                            f"layer stashed it before, or it was popped already; declare it with "
+                            f"@skippable(pop=[...]) and pop it once, after its stash")
+
+    def finish(self) -> Tensors:
+        """The stashed tensors for later stages, in wire order; checks nothing was left over."""
+        missing = [name for name, _ in self.skips.sends if name not in self.outgoing]
+        left = sorted(self.local) + sorted(self.incoming)
+        if missing or left:
+            raise api.SkipError(f"stage {self.skips.index} declares skips its forward did not "
+                                f"use: not stashed {missing}, not popped {left}; every declared "
+                                f"stash and pop must run in every forward")
+        return {name: self.outgoing[name] for name, _ in self.skips.sends}
+
+
+class Framed:
+    """A stage's ``call`` with skips: ``(input, popped) -> (output, stashed)``."""
+
+    def __init__(self, inner: Callable[[Any], Any], skips: StageSkips) -> None:
+        self.inner = inner
+        self.skips = skips
+
+    def __call__(self, packed: Tuple[Any, Tensors]) -> Tuple[Any, Tensors]:
+        inputs, incoming = packed
+        frame = StageFrame(self.skips, incoming)
+        previous = api.enter(frame)
+        try:
+            output = self.inner(inputs)
+        finally:
+            api.enter(previous)
+        return output, frame.finish()
+
+
+class StageExchange:
+    """What the step handlers do for a stage with skips (``stage.skips``): pack received skip
+    tensors with the input, send stashed ones, and route their gradients."""
+
+    def __init__(self, skips: StageSkips) -> None:
+        self.skips = skips
+        self.index = skips.index
+
+    def ready(self, step: StepState, action: Action) -> bool:
+        """Whether the skip tensors (F) or skip gradients (B) ``action`` needs have arrived."""
+        box, mb = step.mailboxes[self.index], action.microbatch
+        if action.kind is ActionKind.FORWARD:
+            return all(box.has(("skip", name, mb)) for name, _ in self.skips.receives)
+        if action.kind is ActionKind.BACKWARD:
+            return all(box.has(("skipgrad", name, mb)) for name, _ in self.skips.sends)
+        return True
+
+    def receive(self, step: StepState, stage: Any, action: Action, inputs: Any,
+                boundary: List[torch.Tensor]) -> Tuple[Any, List[torch.Tensor]]:
+        """The stage's packed input ``(input, popped)``; in training the popped tensors are
+        boundary leaves too (their gradients go back to the producers)."""
+        popped: Tensors = {}
+        for name, _ in self.skips.receives:
+            message = _receive(step, stage, ("skip", name, action.microbatch), action)
+            tensor = message.parcel.tensors[0]
+            popped[name] = _as_leaf(tensor, message.requires_grad[0]) if step.train else tensor
+        leaves = list(popped.values()) if step.train else []
+        return (inputs, popped), boundary + leaves
+
+    def send(self, step: StepState, mb: int, output: Tuple[Any, Tensors],
+             differentiable: bool) -> Tuple[Any, List[torch.Tensor]]:
+        """Send the stashed tensors to their consumers; the stage's own output and the stashed
+        tensors (extra roots of the stage's backward)."""
+        value, stashed = output
+        for name, dst in self.skips.sends:
+            _send(step, dst, ("skip", name, mb), stashed[name], detach=step.train,
+                  differentiable=differentiable)
+        return value, list(stashed.values())
+
+    @staticmethod
+    def split(output: Tuple[Any, Tensors]) -> Tuple[Any, List[torch.Tensor]]:
+        """A recomputed ``(output, stashed)``: used for the backward, never sent again."""
+        value, stashed = output
+        return value, list(stashed.values())
+
+    def receive_grads(self, step: StepState, stage: Any,
+                      action: Action) -> List[Optional[torch.Tensor]]:
+        """The gradients of the tensors this stage stashed, from their consumers."""
+        return [_receive(step, stage, ("skipgrad", name, action.microbatch), action)
+                .parcel.tensors[0] for name, _ in self.skips.sends]
+
+    def send_grads(self, step: StepState, mb: int, input_grads: List[Optional[torch.Tensor]]
+                   ) -> List[Optional[torch.Tensor]]:
+        """Send the popped tensors' gradients (the tail of ``input_grads``) to their producers;
+        returns the gradients of the stage's ordinary input."""
+        head = len(input_grads) - len(self.skips.receives)
+        for (name, src), grad in zip(self.skips.receives, input_grads[head:]):
+            parcel = ship([grad], step.stages[src].device)
+            step.mailboxes[src].put(("skipgrad", name, mb), Message(None, [], parcel, []))
+        return input_grads[:head]
+
+
+def wire(stages: List[Any], plans: Dict[int, StageSkips]) -> None:
+    """Give the stages that take part in skip connections their frame and exchange."""
+    for index, skips in plans.items():
+        stage = stages[index]
+        stage.call = Framed(stage.call, skips)
+        stage.skips = StageExchange(skips)
