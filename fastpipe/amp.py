@@ -14,6 +14,7 @@ pipe). When each process holds only its own stages' parameters (a distributed pi
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
@@ -53,7 +54,7 @@ def scale_loss(scaler: Optional[Any], loss: torch.Tensor) -> torch.Tensor:
 
 
 def unscale_and_sync(scaler: Any, optimizer: torch.optim.Optimizer,
-                     group: Optional[Any] = None) -> None:
+                     group: Optional[Any] = None, timeout: Optional[float] = None) -> None:
     """Unscale this rank's gradients and agree with every rank of ``group`` on whether any
     gradient anywhere is inf or NaN, so ``scaler.step(optimizer)`` skips the step on every
     rank together and ``scaler.update()`` moves every rank's scale alike.
@@ -76,7 +77,11 @@ def unscale_and_sync(scaler: Any, optimizer: torch.optim.Optimizer,
     flag = torch.zeros((), dtype=torch.float32, device=home)
     for value in found.values():
         flag = torch.maximum(flag, value.to(home))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    if timeout is None:
+        work.wait()  # the process group's own timeout
+    else:
+        work.wait(datetime.timedelta(seconds=timeout))
     for device, value in found.items():
         value.copy_(flag.to(device))
     found.setdefault(home, flag)  # a rank without gradients still records the verdict

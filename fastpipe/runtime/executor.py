@@ -44,9 +44,7 @@ class LocalExecutor:
             schedule: Schedule) -> None:
         """Run one step: ``programs[s]`` is physical stage ``s``'s action list, in order (the
         ``schedule``'s actions or a subset of them; it places the chunks)."""
-        if len(programs) != sum(len(g) for g in self.groups):
-            raise ValueError(f"expected {sum(len(g) for g in self.groups)} stage programs, "
-                             f"got {len(programs)}")
+        self._check_programs(programs)
         if not self._lock.acquire(timeout=step.timeout):  # one step at a time per pipeline
             raise PipelineTimeout(
                 f"another step of this pipeline has been running for over {step.timeout:g}s; "
@@ -61,6 +59,11 @@ class LocalExecutor:
             self._raise_first(jobs, step)
         finally:
             self._lock.release()
+
+    def _check_programs(self, programs: Sequence[Sequence[Action]]) -> None:
+        if len(programs) != sum(len(g) for g in self.groups):
+            raise ValueError(f"expected {sum(len(g) for g in self.groups)} stage programs, "
+                             f"got {len(programs)}")
 
     @staticmethod
     def _watch(jobs: List["futures.Future[None]"], step: StepState) -> None:

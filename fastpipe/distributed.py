@@ -1,0 +1,525 @@
+"""``DistributedPipe``: one process per pipeline rank, messages over ``torch.distributed``.
+
+Launch with ``torchrun --nproc_per_node=N script.py``; in the script, after
+``torch.distributed.init_process_group()``, every rank builds the same ``DistributedPipe`` and
+calls ``train_step`` with the same arguments (inputs are read on the first stage's rank, targets
+on the last stage's rank; other ranks may pass ``None``). Each rank keeps only its own stages'
+layers. The schedule, the stage runtime and the exactness guarantees are those of ``Pipe``: the
+same IR drives both, only the transport differs (p2p sends and receives instead of mailboxes).
+
+Data parallelism composes: give each pipeline its ``process_group`` and each stage's replicas a
+``data_parallel_group`` (``init_mesh(pipeline=P, data=D)`` builds both); gradients are then
+averaged across replicas, each stage's as soon as its last backward of the step ends.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import amp, batchnorm, microbatch, tied as tied_weights
+from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
+from .errors import PipelineAborted
+from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
+                        check_virtual_stages)
+from .runtime.board import Board, wait_work
+from .runtime.dist_executor import (DistributedExecutor, Topology, flows,
+                                    last_gradient_actions, links)
+from .runtime.grad_sync import GradSync
+from .runtime.p2p import Kinds, Link
+from .runtime.stage import Stage
+from .runtime.stash import step_optimizer
+from .runtime.step import StepState
+from .runtime.tied_sync import TiedSync
+from .schedule import Schedule
+from .skip import exchange as skip_exchange, layout as skip_layout
+from .skip.api import declaration
+
+LayerFactory = Callable[[], nn.Module]
+Layers = Union[nn.Sequential, Sequence[LayerFactory]]
+LOSS_REDUCTIONS = ("mean", "sum")
+
+_instances = itertools.count()  # ranks build their pipes in the same order: same ids everywhere
+
+
+class _RemoteStage:
+    """Stands for a virtual stage another rank holds (the handlers only read its index and
+    the device its messages are staged on)."""
+
+    def __init__(self, index: int, device: torch.device) -> None:
+        self.index = index
+        self.device = device
+
+
+class DistributedPipe(nn.Module):
+    """A pipeline whose stages live in different processes (one rank per pipeline stage).
+
+    Args:
+        module: the whole model as an ``nn.Sequential`` (it may be built on the ``meta`` device:
+            each rank then materialises only its own layers, with ``to_empty`` and the layers'
+            ``reset_parameters``), or a list of zero-argument functions that each build one
+            layer, so a rank builds only the layers it keeps.
+        chunks: micro-batches per batch (``torch.chunk`` semantics, as in ``Pipe``).
+        schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
+            ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``).
+        balance: layers per virtual stage in model order (``ranks * virtual_stages`` entries);
+            default: by parameter count for an ``nn.Sequential``, by layer count for factories.
+        checkpoint: ``'never'``, ``'except_last'`` or ``'always'``.
+        virtual_stages: model chunks per rank (interleaved and V-shaped schedules).
+        process_group: the pipeline's ranks, in stage order (default: the whole world).
+        data_parallel_group: the replicas of this rank's stage in other pipelines; their
+            gradients are averaged (default: none).
+        device: where this rank's layers run (default: ``cuda:LOCAL_RANK`` under NCCL, else CPU).
+        timeout: seconds any wait (a message, a send, a collective) may take before the step
+            fails with an error naming the rank, the stage, the action and the micro-batch.
+        deferred_batch_norm: as in ``Pipe``: running statistics over the whole mini-batch.
+        tied: as in ``Pipe``: groups of parameters (plain-module names) to tie. Parameters the
+            module already shares stay tied. A tied parameter used on several ranks has a copy
+            on each; the copies start equal (broadcast from the first stage that uses it), their
+            gradients are summed across those ranks at the end of every step, so identical
+            optimizer steps keep them equal.
+    """
+
+    def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
+                 balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last", *,
+                 virtual_stages: int = 1, process_group: Optional[Any] = None,
+                 data_parallel_group: Optional[Any] = None,
+                 device: Optional[Union[str, torch.device]] = None,
+                 timeout: float = 300.0, deferred_batch_norm: bool = False,
+                 tied: Sequence[Sequence[Any]] = ()) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedPipe needs torch.distributed: call "
+                               "torch.distributed.init_process_group() first (under torchrun the "
+                               "environment provides the rendezvous), or use fastpipe.Pipe in one "
+                               "process")
+        layers = _check_layers(module)
+        if chunks == "auto":
+            raise ValueError("chunks='auto' is only available in fastpipe.Pipe; give "
+                             "DistributedPipe a number of micro-batches")
+        deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
+        tie_groups = _check_tied(module, tied)
+        self._chunks = check_chunks(chunks)
+        self._checkpoint = check_mode(checkpoint)
+        self._timeout = check_timeout(timeout)
+        self._virtual = check_virtual_stages(virtual_stages)
+        self._schedule_name = _check_schedule_name(schedule)
+        self._group = process_group if process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(self._group)
+        p, v = len(ranks), self._virtual
+        self._balance = tuple(_balance(module, layers, balance, p * v))
+        skips = _skip_plans(module, self._balance)
+        plan = self.plan(self._chunks)  # raises for a schedule that cannot run this layout
+        rank = dist.get_rank()
+        stage = ranks.index(rank)
+        owner = [ranks[plan.stage_of(k)[0]] for k in range(p * v)]
+        self._device = _resolve_device(device, self._group)
+        if tie_groups:
+            tied_weights.tie(module, tie_groups)
+        shared = (tied_weights.find(module, self._balance)
+                  if isinstance(module, nn.Sequential) else [])
+        self._topology = Topology(owner, rank, stage, self._group, self._device)
+        starts = [0, *itertools.accumulate(self._balance)]
+        kept: "OrderedDict[str, nn.Module]" = OrderedDict()
+        stages: List[Any] = []
+        for k in range(p * v):
+            if owner[k] != rank:
+                stages.append(_RemoteStage(k, self._device))
+                continue
+            part = OrderedDict((str(i), _materialise(layers[i], self._device))
+                               for i in range(starts[k], starts[k + 1]))
+            kept.update(part)
+            stages.append(Stage(k, nn.Sequential(part), self._device,
+                                deferred_batch_norm=deferred))
+        _no_skips_in_factories(module, kept)
+        self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
+        object.__setattr__(self, "_stages", stages)
+        object.__setattr__(self, "_local", [k for k in range(p * v) if owner[k] == rank])
+        self._skips = {k: plan for k, plan in skips.items() if k in self._local}
+        skip_exchange.wire(stages, self._skips)
+        names = sorted({name for plan in skips.values() for name, _ in plan.sends})
+        self._board = Board(f"pipe{next(_instances)}", rank)
+        self._executor = DistributedExecutor(self._topology, self._board, self._after_action,
+                                             Kinds(names))
+        self._sync = _grad_sync(data_parallel_group, self._board, self._timeout)
+        self._tied = TiedSync(shared, owner, self._group, self._device, self._board,
+                              self._timeout)
+        self._tied.broadcast_initial()
+        self._data_group = data_parallel_group
+        self._steps = 0
+        self._last_actions: Dict[Any, int] = {}
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def balance(self) -> Tuple[int, ...]:
+        """Layers per virtual stage, in model order."""
+        return self._balance
+
+    @property
+    def stages(self) -> Tuple[int, ...]:
+        """The virtual stages this rank holds."""
+        return tuple(self._local)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def chunks(self) -> int:
+        return self._chunks
+
+    @property
+    def schedule(self) -> str:
+        return self._schedule_name
+
+    @property
+    def checkpoint(self) -> str:
+        return self._checkpoint
+
+    @property
+    def virtual_stages(self) -> int:
+        return self._virtual
+
+    def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
+        """The validated schedule the ranks run for ``num_microbatches`` (default ``chunks``)."""
+        from .pipe import _schedule
+        p = dist.get_world_size(self._group)
+        return _schedule(self._schedule_name, p, num_microbatches or self._chunks, self._virtual)
+
+    # ---------------------------------------------------------------- running
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                   *, loss_reduction: str = "mean", scaler: Optional[Any] = None,
+                   optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
+        """Forward and backward of one batch on every rank; returns the loss on every rank.
+
+        ``inputs`` are read on the rank of the first stage, ``targets`` on the rank of the last
+        (``None`` elsewhere is fine). Adds to the local parameters' ``.grad`` what the plain
+        model's backward adds (averaged over data-parallel replicas when there are some).
+        ``scaler``: a ``torch.amp.GradScaler``; the micro-batch losses are scaled. With
+        ``optimizer`` (over ``pipe.parameters()``) the pipe then steps it: through the scaler,
+        after every rank agreed whether any gradient anywhere is inf or NaN (so all ranks skip
+        the step together); without ``optimizer``, call ``fastpipe.amp.unscale_and_sync(scaler,
+        optimizer)`` on every rank before ``scaler.step(optimizer)``.
+        """
+        try:
+            return self._train_step(inputs, targets, loss_fn, loss_reduction,
+                                    amp.check_scaler(scaler), optimizer)
+        except BaseException as error:
+            self._publish(error)
+            raise
+
+    def forward(self, inputs: Any) -> Optional[Any]:
+        """Forward-only evaluation (no graph, no recompute, nothing kept for backward): the
+        output on the last stage's rank, ``None`` on the others."""
+        try:
+            with torch.no_grad():
+                return self._forward(inputs)
+        except BaseException as error:
+            self._publish(error)
+            raise
+
+    def _publish(self, error: BaseException) -> None:
+        if not isinstance(error, PipelineAborted) or "stopped because" not in str(error):
+            self._board.publish(f"rank {self._topology.rank} (stage {self._topology.stage}) "
+                                f"failed: {type(error).__name__}: {error}")
+
+    def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                    loss_reduction: str, scaler: Optional[Any],
+                    optimizer: Optional[torch.optim.Optimizer]) -> torch.Tensor:
+        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None), got "
+                            f"{optimizer!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'")
+        last = len(self._stages) - 1
+        has_targets = self._topology.local(last)
+        sizes = self._local_sizes(inputs, targets if has_targets else None, has_targets)
+        step = self._new_step(inputs if self._topology.local(0) else None, train=True,
+                              targets=targets if has_targets else None, loss_fn=loss_fn,
+                              scaler=scaler)
+        sizes = self._agree_sizes(step, sizes, ["act", "grad"])
+        schedule = self.plan(len(sizes))
+        total = sum(sizes)
+        step.loss_weights = ([s / total for s in sizes] if loss_reduction == "mean"
+                             else [1.0] * len(sizes))
+        step.checkpoint_stop = checkpoint_stop(self._checkpoint, len(sizes))
+        step.split = schedule.split_backwards
+        self._last_actions = last_gradient_actions(schedule.actions[self._topology.stage],
+                                                   schedule)
+        self._run(schedule.actions, step, schedule)
+        loss = self._share_loss(step, len(sizes))
+        if self._sync is not None:
+            self._sync.finish()
+        self._tied.sum_gradients()
+        if optimizer is not None:
+            if scaler is not None:
+                amp.unscale_and_sync(scaler, optimizer, timeout=self._timeout)
+            step_optimizer(optimizer, scaler)
+        return loss
+
+    def _run(self, programs: Any, step: StepState, schedule: Schedule) -> None:
+        local = [self._stages[k] for k in self._local]
+        batchnorm.discard(local)
+        self._executor.run(programs, step, schedule)
+        batchnorm.commit(local)
+
+    def _forward(self, inputs: Any) -> Optional[Any]:
+        sizes = self._local_sizes(inputs, None, False)
+        step = self._new_step(inputs if self._topology.local(0) else None, train=False)
+        step.grad_enabled = False
+        sizes = self._agree_sizes(step, sizes, ["act"])
+        schedule = self.plan(len(sizes))
+        self._last_actions = {}
+        self._run(schedule.forward_actions, step, schedule)
+        if not self._topology.local(len(self._stages) - 1):
+            return None
+        return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
+
+    def _local_sizes(self, inputs: Any, targets: Any, need_targets: bool) -> Optional[List[int]]:
+        """Micro-batch sizes from the batch this rank reads, checked before any work."""
+        sizes = None
+        if self._topology.local(0):
+            if inputs is None:
+                raise ValueError(f"inputs is None on rank {self._topology.rank}, which holds the "
+                                 f"first stage: pass the batch on this rank")
+            sizes = microbatch.split_sizes(microbatch.batch_size(inputs, argument="inputs"),
+                                           self._chunks)
+        if targets is not None:
+            total = microbatch.batch_size(targets, argument="targets")
+            if sizes is not None and sum(sizes) != total:
+                raise ValueError(f"targets has batch size {total} but inputs has {sum(sizes)}; "
+                                 f"give one target per input sample")
+            sizes = microbatch.split_sizes(total, self._chunks, argument="targets")
+        elif need_targets:
+            raise ValueError(f"targets is None on rank {self._topology.rank}, which holds the "
+                             f"last stage: pass the targets on this rank")
+        return sizes
+
+    def _new_step(self, inputs: Any, *, train: bool, **kwargs: Any) -> StepState:
+        for k in self._local:
+            self._stages[k].rng.reset()
+        self._steps += 1
+        step = StepState(stages=self._stages, inputs=[], train=train, seed=draw_step_seed(),
+                         checkpoint_stop=0, timeout=self._timeout,
+                         checkpoint_mode=self._checkpoint, **kwargs)
+        step.batch = inputs  # scattered once the micro-batch sizes are agreed
+        return step
+
+    def _agree_sizes(self, step: StepState, sizes: Optional[List[int]],
+                     kinds: List[str]) -> List[int]:
+        """Wire the step and start its receivers. A rank that does not read the batch learns
+        the micro-batch count and batch size from the first activation it receives (the header
+        of every message repeats them); a rank that reads the targets checks them against it."""
+        n = len(self._stages)
+        self._executor.wire(step, self.plan(self._chunks))
+
+        def links_for(m: int) -> Dict[int, Link]:
+            return links(flows(self._topology, self._local, n, {k: m for k in kinds},
+                               self._skips))
+
+        entry = min(self._local)
+        learned_from: Optional[int] = None
+        if entry > 0:
+            learned_from = self._topology.owner[entry - 1]
+            header = self._executor.learn_microbatches(learned_from, step,
+                                                       lambda m: links_for(m)[learned_from])
+            learned = microbatch.split_sizes(header.batch_size, self._chunks)
+            if len(learned) != header.num_microbatches:
+                raise RuntimeError(f"rank {learned_from} split a batch of {header.batch_size} "
+                                   f"into {header.num_microbatches} micro-batches but this rank "
+                                   f"into {len(learned)}: build the pipes with the same chunks "
+                                   f"on every rank")
+            if sizes is not None and sum(sizes) != header.batch_size:
+                raise ValueError(f"targets on rank {self._topology.rank} have batch size "
+                                 f"{sum(sizes)} but the inputs on rank {self._topology.owner[0]} "
+                                 f"have {header.batch_size}; give one target per input sample")
+            sizes = learned
+        assert sizes is not None
+        m = len(sizes)
+        self._executor.info.step, self._executor.info.num_microbatches = self._steps, m
+        self._executor.info.batch_size = sum(sizes)
+        self._executor.start_receivers(step, [link for src, link in links_for(m).items()
+                                              if src != learned_from])
+        if step.batch is not None:
+            step.inputs = microbatch.scatter(step.batch, sizes)
+        if step.targets is not None:
+            step.targets = microbatch.scatter(step.targets, sizes)
+        return sizes
+
+    def _share_loss(self, step: StepState, m: int) -> torch.Tensor:
+        """The step's loss, from the last stage's rank to every rank (averaged over replicas)."""
+        last = len(self._stages) - 1
+        if self._topology.local(last):
+            loss = torch.stack([step.losses[i] for i in range(m)]).sum().detach().float()
+        else:
+            loss = torch.zeros((), device=self._device)
+        loss = loss.to(self._device)
+        work = dist.broadcast(loss, src=self._topology.owner[last], group=self._group,
+                              async_op=True)
+        wait_work(work, self._timeout, "the step's loss from the last stage's rank", self._board)
+        if self._data_group is not None and dist.get_world_size(self._data_group) > 1:
+            work = dist.all_reduce(loss, group=self._data_group, async_op=True)
+            wait_work(work, self._timeout, "the data-parallel loss average", self._board)
+            loss /= dist.get_world_size(self._data_group)
+        return loss
+
+    def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
+        if self._sync is not None and action in self._last_actions:
+            self._sync.launch(stage.parameters(), f"stage {stage.index}")
+
+    # ---------------------------------------------------------------- plain-module names
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Any:
+        """This rank's parameters under the plain model's names (``'4.weight'``)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Any:
+        """This rank's buffers under the plain model's names."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's layers' state under the plain model's names (``'4.weight'``)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load this rank's entries of a plain-model (or any rank's) state dict; entries of
+        layers other ranks hold are ignored, missing local ones are an error when ``strict``."""
+        local = self.module.state_dict().keys()
+        mine = {k: v for k, v in state_dict.items() if k in local}
+        missing = [k for k in local if k not in mine]
+        if strict and missing:
+            raise RuntimeError(f"the state dict lacks {len(missing)} entries of the layers on rank "
+                               f"{self._topology.rank}, e.g. {missing[:3]}; save it from the "
+                               f"plain model or gather every rank's state_dict()")
+        return self.module.load_state_dict(mine, strict=False, assign=assign)
+
+    def __repr__(self) -> str:
+        return (f"DistributedPipe(rank={self._topology.rank}, stages={list(self._local)}, "
+                f"balance={list(self._balance)}, chunks={self._chunks}, "
+                f"schedule={self._schedule_name!r}, checkpoint={self._checkpoint!r})")
+
+
+# -------------------------------------------------------------------- construction helpers
+def _check_layers(module: Any) -> List[Any]:
+    if isinstance(module, nn.Sequential):
+        if len(module) == 0:
+            raise ValueError("module is an empty nn.Sequential; give it at least one layer")
+        return list(module)
+    if isinstance(module, (list, tuple)) and module and all(callable(f) for f in module):
+        return list(module)
+    raise TypeError(f"module must be an nn.Sequential or a list of functions that each build "
+                    f"one layer, got {type(module).__name__}")
+
+
+def _check_schedule_name(name: Any) -> str:
+    if name == "auto":
+        raise ValueError("schedule='auto' is only available in fastpipe.Pipe; name a schedule "
+                         "(e.g. '1f1b') for DistributedPipe")
+    if name == "pipedream":
+        raise NotImplementedError("asynchronous PipeDream runs in fastpipe.Pipe only (one "
+                                  "process); DistributedPipe takes the flushed schedules")
+    return name  # other names are checked when the first plan is made
+
+
+def _check_tied(module: Any, tied: Sequence[Sequence[Any]]) -> List[List[str]]:
+    if not isinstance(module, nn.Sequential):
+        if tied:
+            raise ValueError("tied=... needs the model as an nn.Sequential (it names the "
+                             "plain model's parameters); layer factories cannot share weights")
+        return []
+    return tied_weights.check(module, tied)
+
+
+def _skip_plans(module: Any, balance: Sequence[int]) -> Dict[int, Any]:
+    """Where the skip connections (``fastpipe.skip``) go, by virtual stage (checked)."""
+    if isinstance(module, nn.Sequential):
+        return skip_layout.plan(module, balance)
+    return {}
+
+
+def _no_skips_in_factories(module: Any, kept: Dict[str, nn.Module]) -> None:
+    if isinstance(module, nn.Sequential):
+        return
+    if any(declaration(m) is not None for layer in kept.values() for m in layer.modules()):
+        raise NotImplementedError("skip connections (fastpipe.skip) need the model as an "
+                                  "nn.Sequential (on the meta device if it is large), so that "
+                                  "every rank knows where each skip goes")
+
+
+def _balance(module: Any, layers: List[Any], balance: Optional[Sequence[int]],
+             parts: int) -> List[int]:
+    if balance is None:
+        if len(layers) < parts:
+            raise ValueError(f"the model has {len(layers)} layers but the pipeline needs at "
+                             f"least {parts} (ranks x virtual_stages); use fewer ranks")
+        if isinstance(module, nn.Sequential):
+            return auto_balance(module, parts)
+        return [len(range(i, len(layers), parts)) for i in range(parts)]
+    values = check_balance(balance, layers)
+    if len(values) != parts:
+        raise ValueError(f"balance has {len(values)} entries but the pipeline has {parts} "
+                         f"virtual stages (ranks x virtual_stages); give one count per stage")
+    return values
+
+
+def _materialise(layer: Any, device: torch.device) -> nn.Module:
+    """A kept layer on ``device``: built (factories), allocated (meta) or moved."""
+    if not isinstance(layer, nn.Module):
+        layer = layer()
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"a layer factory returned {type(layer).__name__}, not an nn.Module")
+    tensors = itertools.chain(layer.parameters(), layer.buffers())
+    if any(t.is_meta for t in tensors):
+        layer.to_empty(device=device)
+        for sub in layer.modules():
+            _reset(sub)
+        return layer
+    return layer.to(device)
+
+
+def _reset(module: nn.Module) -> None:
+    """Initialise a module materialised from the meta device with its own initialiser."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, name, None)
+        if callable(reset):
+            reset()
+            return
+    own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    if own:
+        raise TypeError(f"{type(module).__name__} was built on the meta device but has no "
+                        f"reset_parameters() to initialise its own tensors; give it one, or pass "
+                        f"layer factories instead of a meta model")
+
+
+def _resolve_device(device: Optional[Union[str, torch.device]], group: Any) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def _grad_sync(group: Optional[Any], board: Board, timeout: float) -> Optional[GradSync]:
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    return GradSync(group, board, timeout)
+
+
+def init_mesh(pipeline: int, data: int = 1, device_type: str = "cpu") -> Tuple[Any, Any]:
+    """Split the world into ``data`` pipelines of ``pipeline`` ranks: returns this rank's
+    (pipeline group, data-parallel group). Rank ``r`` is stage ``r % pipeline`` of pipeline
+    ``r // pipeline``; the data group joins the same stage of every pipeline."""
+    world = dist.get_world_size()
+    if pipeline < 1 or data < 1 or pipeline * data != world:
+        raise ValueError(f"pipeline={pipeline} x data={data} must equal the world size {world}")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device_type, (data, pipeline), mesh_dim_names=("data", "pipeline"))
+    return mesh.get_group("pipeline"), mesh.get_group("data")

@@ -1,0 +1,85 @@
+"""Failure notices between ranks, and bounded waits on ``torch.distributed`` work.
+
+A rank that fails writes one line to the process group's key-value store (the "board"); every
+other rank checks the board while it waits, so it stops within a fraction of a second with an
+error naming the rank that failed, instead of waiting for a message that will never come. A
+rank that dies without writing (killed) is caught by its peers' receive errors or timeouts.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from ..errors import PipelineAborted, PipelineTimeout
+
+CHECK_EVERY = 0.2  # seconds between looks at the board while waiting
+
+
+class Board:
+    """The abort notice of one distributed pipe, shared by all of its ranks."""
+
+    def __init__(self, name: str, rank: int, store: Optional[Any] = None) -> None:
+        self.key = f"fastpipe/{name}/abort"
+        self.rank = rank
+        self.store = store if store is not None else _default_store()
+        self._seen: Optional[str] = None
+
+    def publish(self, reason: str) -> None:
+        """Post the first failure of this pipe (later ones are dropped); never raises."""
+        if self.store is None:
+            return
+        try:
+            if self.store.add(self.key + "/count", 1) == 1:
+                self.store.set(self.key, reason)
+        except Exception:  # noqa: BLE001 - the store may be gone with a dead rank
+            pass
+
+    def read(self) -> Optional[str]:
+        """The failure posted by any rank, or None."""
+        if self._seen is not None or self.store is None:
+            return self._seen
+        try:
+            if self.store.check([self.key]):
+                self._seen = self.store.get(self.key).decode()
+        except Exception as error:  # noqa: BLE001 - a lost store means a lost job
+            self._seen = (f"the job's key-value store is unreachable (the process hosting it "
+                          f"has exited or the network failed: {error})")
+        return self._seen
+
+    def check(self) -> None:
+        """Raise ``PipelineAborted`` if another rank posted a failure."""
+        reason = self.read()
+        if reason is not None:
+            raise PipelineAborted(f"rank {self.rank} stopped because {reason}")
+
+
+def _default_store() -> Optional[Any]:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: failures are then caught by timeouts only
+        return None
+
+
+def wait_work(work: Optional[Any], timeout: float, what: str, board: Board,
+              done: Optional[Callable[[], bool]] = None) -> None:
+    """Wait for an asynchronous ``torch.distributed`` work (polling, so that the board is read
+    and the wait never outlives ``timeout``); ``what`` names the wait in the error."""
+    is_done = done or work.is_completed
+    deadline = time.monotonic() + timeout
+    next_check = time.monotonic() + CHECK_EVERY
+    pause = 1e-5
+    while not is_done():
+        now = time.monotonic()
+        if now >= next_check:
+            board.check()
+            next_check = now + CHECK_EVERY
+        if now >= deadline:
+            raise PipelineTimeout(f"rank {board.rank} timed out after {timeout:g}s waiting for "
+                                  f"{what}; the peer rank is stuck, dead or much slower: raise "
+                                  f"timeout=... if that is expected", rank=board.rank)
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)
+    if work is not None:
+        work.wait()  # completed: returns at once, or raises the work's own error

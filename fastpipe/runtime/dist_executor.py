@@ -1,0 +1,237 @@
+"""The distributed executor: one rank runs its own stage's program, messages go over p2p.
+
+It is the local executor with different wiring: the mailboxes of this rank's virtual stages are
+fed by :class:`~fastpipe.runtime.p2p.ChannelReceiver` threads (receives posted before the
+compute needs them), and the mailboxes of other ranks' stages are
+:class:`~fastpipe.runtime.p2p.Outbox` objects that send. The handlers (F, B, W) are the very same.
+While the step runs, the caller's thread watches the failure board, so a failure elsewhere
+stops this rank within a fraction of a second; every error names this rank.
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import datetime
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
+from ..schedule import Action, ActionKind, Schedule
+from .board import CHECK_EVERY, Board, wait_work
+from .executor import LocalExecutor
+from .mailbox import Mailbox
+from .p2p import Flow, Kinds, Link, LinkReceiver, Outbox, PeerPayloads, SendLog, StepInfo
+from .step import StepState
+from .wire import Header
+
+
+@dataclass
+class Topology:
+    """Where the virtual stages live: ``owner[v]`` is the global rank that holds stage ``v``."""
+
+    owner: Sequence[int]
+    rank: int  # this process's global rank
+    stage: int  # this rank's physical pipeline stage
+    group: Any  # the pipeline process group
+    device: torch.device
+
+    def local(self, virtual_stage: int) -> bool:
+        return self.owner[virtual_stage] == self.rank
+
+
+def flows(topology: Topology, local_stages: Sequence[int], num_stages: int,
+          counts: Dict[str, int], skips: Optional[Dict[int, Any]] = None) -> List[Flow]:
+    """What this rank's stages receive in a step with ``counts[kind]`` messages of each kind per
+    stage: activations from the previous stage, gradients from the next, and for the skip
+    connections (``skips``: ``fastpipe.skip.layout.StageSkips`` by stage) the tensors from their
+    producers and the gradients from their consumers. Neighbours on this rank send nothing."""
+    out = []
+    for v in local_stages:
+        sources = []
+        if v > 0:
+            sources.append(("act", "act", v - 1))
+        if v < num_stages - 1:
+            sources.append(("grad", "grad", v + 1))
+        plan = (skips or {}).get(v)
+        if plan is not None:
+            sources += [(f"skip/{name}", "act", src) for name, src in plan.receives]
+            sources += [(f"skipgrad/{name}", "grad", dst) for name, dst in plan.sends]
+        for kind, counted_as, src in sources:
+            if counts.get(counted_as) and not topology.local(src):
+                out.append(Flow(kind, v, topology.owner[src], src, counts[counted_as]))
+    return out
+
+
+def links(found: Sequence[Flow]) -> Dict[int, Link]:
+    """The flows grouped by the rank that sends them."""
+    out: Dict[int, Link] = {}
+    for flow in found:
+        out.setdefault(flow.src_rank, Link(flow.src_rank, [])).flows.append(flow)
+    return out
+
+
+class DistributedExecutor(LocalExecutor):
+    """Runs this rank's program of a schedule; other ranks run theirs."""
+
+    def __init__(self, topology: Topology, board: Board,
+                 after_action: Optional[Callable[[StepState, Any, Action], None]] = None,
+                 kinds: Optional[Kinds] = None) -> None:
+        super().__init__([[topology.stage]])
+        self.kinds = kinds or Kinds()
+        self.topology = topology
+        self.board = board
+        self.after_action = after_action
+        self.info = StepInfo()
+        self._receivers: Dict[int, LinkReceiver] = {}  # metadata caches live across steps
+        # payload sizes sent to / received from each peer (two objects: sends and receives
+        # happen on different threads, and each side only mirrors its peer)
+        prepost = dist.get_backend(topology.group) == "gloo"
+        self._sent_sizes, self._received_sizes = PeerPayloads(prepost), PeerPayloads(prepost)
+        self._outboxes: Dict[int, Outbox] = {}
+        self.sends = SendLog()
+
+    # ---------------------------------------------------------------- receivers
+    def receiver(self, src_rank: int) -> LinkReceiver:
+        if src_rank not in self._receivers:
+            self._receivers[src_rank] = LinkReceiver(src_rank, self.topology.group,
+                                                     self.topology.device, self.topology.rank,
+                                                     self.kinds, self._received_sizes)
+        return self._receivers[src_rank]
+
+    def learn_microbatches(self, src_rank: int, step: StepState,
+                           link_for: Callable[[int], Link]) -> Header:
+        """Start receiving from ``src_rank`` before the step's size is known here; wait for its
+        first header (it carries the micro-batch count and batch size) and return it. The
+        receiver then takes ``link_for(count)``'s messages."""
+        first: List[Header] = []
+        arrived = threading.Event()
+        link = Link(src_rank, [Flow("first message", -1, src_rank, -1, 1)])
+
+        def on_header(header: Header) -> None:
+            if not first:
+                first.append(header)
+                link.flows = link_for(header.num_microbatches).flows
+                arrived.set()
+
+        self.receiver(src_rank).start(link, step.mailboxes, step.abort, step.timeout + 5.0,
+                                      on_header, self.board.read)
+        wait_work(None, step.timeout, f"the first message of the step from rank {src_rank}",
+                  self.board, done=lambda: arrived.is_set() or step.abort.reason is not None)
+        if step.abort.reason is not None:
+            raise PipelineAborted(f"rank {self.topology.rank}: {step.abort.reason}")
+        return first[0]
+
+    # ---------------------------------------------------------------- one step
+    def wire(self, step: StepState, schedule: Schedule) -> None:
+        """Give every virtual stage a mailbox: local ones ring this rank's worker, remote ones
+        send. Call before starting receivers; ``run`` keeps this wiring."""
+        bell = threading.Condition()
+        step.mailboxes = []
+        for v in range(schedule.num_virtual_stages):
+            if self.topology.local(v):
+                step.mailboxes.append(Mailbox(bell))
+            else:
+                if v not in self._outboxes:
+                    self._outboxes[v] = Outbox(v, self.topology.owner[v], self.topology.group,
+                                               self.topology.device, self.info, self.sends,
+                                               self.kinds, self._sent_sizes)
+                step.mailboxes.append(self._outboxes[v])
+        step.abort.register(bell)
+        self._bell = bell
+
+    def start_receivers(self, step: StepState, found: Sequence[Link]) -> None:
+        for link in found:
+            self.receiver(link.src_rank).start(link, step.mailboxes, step.abort,
+                                               step.timeout + 5.0, explain=self.board.read)
+
+    def run(self, programs: Sequence[Sequence[Action]], step: StepState,
+            schedule: Schedule) -> None:
+        """Run this rank's program; wait for its sends; every error names the rank."""
+        try:
+            super().run(programs, step, schedule)
+            self._flush_sends(step.timeout)
+        except PipelineError as error:
+            self.board.publish(f"rank {self.topology.rank} (stage {self.topology.stage}) "
+                               f"failed: {error}")
+            raise _with_rank(error, self.topology.rank) from error.__cause__
+
+    def _check_programs(self, programs: Sequence[Sequence[Action]]) -> None:
+        if self.topology.stage >= len(programs):
+            raise ValueError(f"no program for stage {self.topology.stage}")
+
+    def _wire(self, programs: Sequence[Sequence[Action]], step: StepState,
+              schedule: Schedule) -> List[threading.Condition]:
+        step.progress = [("not started", None)] * len(programs)
+        step.busy = [0.0]
+        return [self._bell]
+
+    def _watch(self, jobs: List["futures.Future[None]"], step: StepState) -> None:
+        """Wait for the worker; stop at a failure posted by another rank, or no progress."""
+        seen, since = -1, time.monotonic()
+        while True:
+            done, pending = futures.wait(jobs, timeout=CHECK_EVERY,
+                                         return_when=futures.FIRST_EXCEPTION)
+            if not pending or any(job.exception() is not None for job in done):
+                return
+            reason = self.board.read()
+            if reason is not None:
+                step.abort.trip(reason)
+                return
+            if step.completed != seen:
+                seen, since = step.completed, time.monotonic()
+            elif time.monotonic() - since > step.timeout:
+                step.abort.trip("the step made no progress")
+                return
+
+    def _run_action(self, step: StepState, worker: int, stage: Any, action: Action) -> None:
+        super()._run_action(step, worker, stage, action)
+        if self.after_action is not None:
+            self.after_action(step, stage, action)
+
+    def _flush_sends(self, timeout: float) -> None:
+        """Wait until every message of the step has left (its buffers may then be reused)."""
+        works, self.sends.works = self.sends.works, []
+        for work, _, what in works:
+            self.board.check()
+            try:  # gloo reports a send's completion only through wait()
+                work.wait(datetime.timedelta(seconds=timeout))
+            except RuntimeError as error:
+                raise PipelineError(f"rank {self.topology.rank}: the send of the {what} did not "
+                                    f"complete within {timeout:g}s: {error}") from error
+
+    def join_receivers(self, timeout: float) -> None:
+        for receiver in self._receivers.values():
+            receiver.join(timeout)
+
+
+def _with_rank(error: PipelineError, rank: int) -> PipelineError:
+    """The same error, its message prefixed with the rank and ``rank`` set."""
+    text = str(error)
+    message = text if text.startswith(f"rank {rank}") else f"rank {rank}: {text}"
+    if isinstance(error, PipelineTimeout):
+        new: PipelineError = PipelineTimeout(message, stage=error.stage, action=error.action,
+                                             microbatch=error.microbatch, rank=rank)
+    elif isinstance(error, StageFailure):
+        new = StageFailure(message, stage=error.stage, action=error.action,
+                           microbatch=error.microbatch)
+    else:
+        new = type(error)(message)
+    new.rank = rank  # type: ignore[attr-defined]
+    return new
+
+
+def last_gradient_actions(program: Sequence[Action], schedule: Schedule) -> Dict[Action, int]:
+    """For each virtual stage of ``program``, its last action that adds weight gradients (its
+    last W, or its last B when it has no W): when it ends, the stage's gradients are final."""
+    last: Dict[int, Action] = {}
+    for action in program:
+        if action.kind in (ActionKind.BACKWARD, ActionKind.WEIGHT):
+            v = schedule.virtual_stage_of(action)
+            if action.kind == ActionKind.WEIGHT or (v, action.microbatch) not in \
+                    schedule.split_backwards:
+                last[v] = action
+    return {action: v for v, action in last.items()}

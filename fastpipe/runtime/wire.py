@@ -1,0 +1,143 @@
+"""The wire format of messages between pipeline ranks: a fixed header, cached metadata, payload.
+
+Every message (an activation or a gradient of one micro-batch) travels as:
+
+1. a header of ``HEADER_LEN`` int64 values: what the message is (kind, micro-batch, the
+   receiving stage), the step's micro-batch count and batch size, and the byte counts of what
+   follows;
+2. the metadata (tensor dtypes and shapes, the pytree structure, non-tensor leaves), pickled,
+   only when it differs from the previous message of the same kind to the same stage: the
+   receiver caches it, so
+   a stream of same-shaped micro-batches sends it once, and a new sequence length costs one
+   small extra message, never padding;
+3. the payload, as bytes: the single tensor's own memory, or several tensors packed into one
+   byte buffer (one transfer instead of many).
+
+Pure functions on tensors and bytes, no communication: tested without processes.
+"""
+from __future__ import annotations
+
+import pickle
+import warnings
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+MAGIC = 0x66_70_70_31  # "fpp1"
+HEADER_LEN = 9
+ALIGN = 16  # bytes: every packed tensor starts at a multiple (any dtype can view it)
+
+
+@dataclass(frozen=True)
+class Header:
+    """What one message carries; ``meta_nbytes == 0`` means "same metadata as last time"."""
+
+    kind: int
+    microbatch: int
+    dst_stage: int  # the receiving rank's virtual stage the message is for
+    num_microbatches: int
+    batch_size: int
+    meta_nbytes: int
+    payload_nbytes: int
+    step: int
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([MAGIC, self.kind, self.microbatch, self.dst_stage,
+                             self.num_microbatches,
+                             self.batch_size, self.meta_nbytes, self.payload_nbytes,
+                             self.step], dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, values: torch.Tensor) -> "Header":
+        raw = [int(v) for v in values.tolist()]
+        if len(raw) != HEADER_LEN or raw[0] != MAGIC:
+            raise ValueError(f"corrupt pipeline message header {raw}: the ranks disagree on the "
+                             f"schedule or another library uses the same tags")
+        return cls(*raw[1:])
+
+
+@dataclass(frozen=True)
+class Meta:
+    """The structure of a message: pytree spec, constants, grad flags and tensor layouts."""
+
+    spec: Any  # None: the message is a single tensor
+    constants: List[Any]  # non-tensor leaves; None where a tensor goes
+    tensor_mask: List[bool]  # which leaves are tensors
+    requires_grad: List[bool]
+    layouts: List[Optional[Tuple[torch.dtype, Tuple[int, ...]]]]  # None: a missing gradient
+
+    def encode(self) -> torch.Tensor:
+        data = pickle.dumps((self.spec, self.constants, self.tensor_mask, self.requires_grad,
+                             self.layouts))
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    @classmethod
+    def decode(cls, data: torch.Tensor) -> "Meta":
+        with warnings.catch_warnings():  # torch's pytree warns about its own leaf specs
+            warnings.simplefilter("ignore", FutureWarning)
+            return cls(*pickle.loads(data.numpy().tobytes()))
+
+
+def layouts_of(tensors: Sequence[Optional[torch.Tensor]]
+               ) -> List[Optional[Tuple[torch.dtype, Tuple[int, ...]]]]:
+    return [None if t is None else (t.dtype, tuple(t.shape)) for t in tensors]
+
+
+def _nbytes(layout: Tuple[torch.dtype, Tuple[int, ...]]) -> int:
+    dtype, shape = layout
+    count = 1
+    for n in shape:
+        count *= n
+    return count * dtype.itemsize
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def payload_size(layouts: Sequence[Optional[Tuple[torch.dtype, Tuple[int, ...]]]]) -> int:
+    """Bytes of the payload for these layouts (packed form when there are several tensors)."""
+    present = [x for x in layouts if x is not None]
+    if len(present) == 1:
+        return _nbytes(present[0])
+    return sum(_aligned(_nbytes(x)) for x in present)
+
+
+def pack(tensors: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """The payload to send, as bytes: the one tensor's own memory (no copy when it is
+    contiguous), or all tensors copied into one aligned byte buffer."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return None
+    if len(present) == 1:
+        return _bytes(present[0].detach().contiguous())
+    sizes = [_aligned(t.numel() * t.element_size()) for t in present]
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=present[0].device)
+    offset = 0
+    for t, size in zip(present, sizes):
+        n = t.numel() * t.element_size()
+        buffer[offset:offset + n].copy_(_bytes(t.detach().contiguous()))
+        offset += size
+    return buffer
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def unpack(buffer: torch.Tensor, layouts: Sequence[Optional[Tuple[torch.dtype, Tuple[int, ...]]]]
+           ) -> List[Optional[torch.Tensor]]:
+    """The tensors of a received byte payload, in order (``None`` where the layout is
+    ``None``); views into ``buffer``."""
+    out: List[Optional[torch.Tensor]] = []
+    offset = 0
+    for layout in layouts:
+        if layout is None:
+            out.append(None)
+            continue
+        dtype, shape = layout
+        n = _nbytes(layout)
+        out.append(buffer[offset:offset + n].view(dtype).view(shape))
+        offset += _aligned(n)
+    return out

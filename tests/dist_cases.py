@@ -1,0 +1,441 @@
+"""Test cases run by every rank of a gloo process group (started by ``dist_launch.launch``).
+
+Each case builds the plain model with the same seed on every rank, computes the reference loss
+and gradients in-process, runs the pipeline, and raises (non-zero exit) on any mismatch; on
+success it prints one ``RESULT <json>`` line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fastpipe  # noqa: E402
+from fastpipe.distributed import DistributedPipe, init_mesh  # noqa: E402
+
+WIDTH = 8
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def model(depth: int = 8, dropout: bool = False) -> nn.Sequential:
+    torch.manual_seed(1234)
+    layers: List[nn.Module] = []
+    for i in range(depth - 1):
+        layers.append(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()))
+    layers.append(nn.Linear(WIDTH, 4))
+    return nn.Sequential(*layers)
+
+
+def data(batch: int, seed: int = 7) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, WIDTH, generator=g), torch.randn(batch, 4, generator=g)
+
+
+def reference_grads(plain: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    plain.zero_grad(set_to_none=True)
+    loss = nn.functional.mse_loss(plain(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in plain.named_parameters()}
+
+
+def check_grads(pipe: nn.Module, expected: Dict[str, torch.Tensor], where: str) -> float:
+    worst = 0.0
+    names = [n for n, _ in pipe.named_parameters()]
+    assert names, f"{where}: this rank holds no parameters"
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None, f"{where}: {name} has no gradient"
+        torch.testing.assert_close(p.grad, expected[name], **TOL,
+                                   msg=lambda m: f"{where}: gradient of {name}: {m}")
+        worst = max(worst, (p.grad - expected[name]).abs().max().item())
+    return worst
+
+
+# ------------------------------------------------------------------------------------- cases
+def transparency(schedules: List[List[Any]], batches: List[int], chunks: int = 4) -> Dict:
+    """Every (schedule, virtual_stages, checkpoint) against the plain model, uneven batches
+    included; also the forward-only path."""
+    worst = 0.0
+    for name, v, mode in schedules:
+        for batch in batches:
+            plain = model(depth=max(8, 2 * dist.get_world_size() * v))
+            x, y = data(batch)
+            ref_loss, ref = reference_grads(plain, x, y)
+            pipe = DistributedPipe(model(depth=max(8, 2 * dist.get_world_size() * v)),
+                                   chunks=chunks, schedule=name, virtual_stages=v,
+                                   checkpoint=mode, timeout=30)
+            last = len(pipe.balance) - 1  # only the ranks that read them get inputs / targets
+            loss = pipe.train_step(x if 0 in pipe.stages else None,
+                                   y if last in pipe.stages else None, nn.functional.mse_loss)
+            where = f"{name} v={v} {mode} batch={batch}"
+            torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{where}: loss {m}")
+            worst = max(worst, check_grads(pipe, ref, where))
+            out = pipe(x)
+            if out is not None:
+                torch.testing.assert_close(out, plain(x).detach(), **TOL)
+    return {"worst": worst}
+
+
+def data_parallel(schedule: str = "1f1b", steps: int = 2) -> Dict:
+    """Pipeline 2 x data 2: gradients equal the plain model's on the global batch, over steps
+    with an optimizer (so replicas must stay identical)."""
+    pp, dp = init_mesh(pipeline=2, data=2)
+    replica = dist.get_rank() // 2
+    plain = model()
+    opt_ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    pipe = DistributedPipe(model(), chunks=3, schedule=schedule, process_group=pp,
+                           data_parallel_group=dp, timeout=30)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = data(10, seed=step)  # the global batch; replica r reads half r
+        ref_loss, ref = reference_grads(plain, x, y)
+        half = slice(5 * replica, 5 * replica + 5)
+        opt.zero_grad(set_to_none=True)
+        loss = pipe.train_step(x[half], y[half], nn.functional.mse_loss)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        check_grads(pipe, ref, f"data parallel step {step}")
+        opt.step()
+        opt_ref.step()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+class Trim(nn.Module):
+    """Shortens the sequence depending on the micro-batch size: shapes change per micro-batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, : x.shape[1] - x.shape[0] % 3]
+
+
+def seq_model() -> nn.Sequential:
+    torch.manual_seed(99)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), Trim(), nn.Linear(WIDTH, WIDTH),
+                         nn.Tanh(), nn.Linear(WIDTH, 4))
+
+
+def seq_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.mean(1) - y) ** 2).mean()
+
+
+def variable_shapes(schedule: str = "1f1b") -> Dict:
+    """Sequence lengths that change across steps and across the micro-batches of a step."""
+    plain = seq_model()
+    pipe = DistributedPipe(seq_model(), chunks=4, schedule=schedule, balance=[3, 3], timeout=30)
+    for step, (batch, length) in enumerate([(13, 7), (10, 5), (13, 9), (7, 7)]):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(batch, length, WIDTH, generator=g), torch.randn(batch, 4, generator=g)
+        sizes = [len(c) for c in torch.chunk(torch.arange(batch), 4)]
+        plain.zero_grad(set_to_none=True)
+        ref_loss = sum(seq_loss(plain(xi), yi) * (len(xi) / batch)
+                       for xi, yi in zip(x.split(sizes), y.split(sizes)))
+        ref_loss.backward()
+        ref = {n: p.grad.clone() for n, p in plain.named_parameters()}
+        pipe.zero_grad(set_to_none=True)
+        loss = pipe.train_step(x, y, seq_loss)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        check_grads(pipe, ref, f"step {step} (batch {batch}, length {length})")
+    return {"ok": True}
+
+
+class Boom(nn.Module):
+    """Raises in the forward of the micro-batch whose first element is tagged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            raise RuntimeError("boom in a user layer")
+        return x
+
+
+class Die(nn.Module):
+    """Kills its process (no Python cleanup) when it sees a micro-batch of one sample."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            os._exit(17)
+        return x
+
+
+def failure(kind: str, failing_rank: int, timeout: float = 20.0) -> Dict:
+    """One rank raises (or dies) mid-step; every other rank must stop with an error naming it
+    well within ``timeout``."""
+    layers = list(model(depth=6))
+    bad = Boom() if kind == "raise" else Die()
+    per = len(layers) // dist.get_world_size()
+    layers.insert(failing_rank * per + 1, bad)
+    balance = [per] * dist.get_world_size()
+    balance[failing_rank] += 1
+    balance[-1] += len(layers) - sum(balance)
+    pipe = DistributedPipe(nn.Sequential(*layers), chunks=4, schedule="1f1b", balance=balance,
+                           timeout=timeout)
+    x, y = data(7)  # micro-batches of 2, 2, 2, 1: the last one fails
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return {"error": type(error).__name__, "message": str(error)[:600],
+                "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def bad_targets() -> Dict:
+    """Targets with a batch size other than the inputs' fail on the last rank before any
+    backward, and the first rank stops too."""
+    pipe = DistributedPipe(model(), chunks=2, timeout=20)
+    x, y = data(8)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        y = y[:6]
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    except Exception as error:  # noqa: BLE001
+        return {"error": type(error).__name__, "message": str(error)[:600],
+                "seconds": time.monotonic() - start,
+                "grads": [p.grad is not None for p in pipe.parameters()]}
+    return {"error": None}
+
+
+def meta_and_factories() -> Dict:
+    """A model built on the meta device, or from layer factories, is materialised per rank;
+    after loading the plain state dict the step is exact; state_dict uses plain names."""
+    plain = model()
+    x, y = data(9)
+    ref_loss, ref = reference_grads(plain, x, y)
+    with torch.device("meta"):
+        on_meta = model()
+    factories = [lambda i=i: model()[i] for i in range(8)]
+    out = {}
+    for label, source in (("meta", on_meta), ("factories", factories)):
+        pipe = DistributedPipe(source, chunks=3, balance=[4, 4], timeout=30)
+        assert all(p.device.type == "cpu" for p in pipe.parameters()), label
+        pipe.load_state_dict(plain.state_dict())
+        keys = sorted(pipe.state_dict())
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        check_grads(pipe, ref, label)
+        out[label] = keys
+    return out
+
+
+def tied_model() -> nn.Sequential:
+    """First and last layers share one weight, as an embedding and an LM head do."""
+    plain = model()
+    plain[-1] = nn.Linear(WIDTH, WIDTH)
+    plain[-1].weight = plain[0][0].weight
+    return plain
+
+
+def tied_weights(schedule: str = "1f1b", steps: int = 3) -> Dict:
+    """The tied weight's copies on the first and last rank get the summed gradient and stay
+    equal over optimizer steps (taken by ``train_step(optimizer=...)``), as in the plain model."""
+    plain = tied_model()
+    opt_ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(5)  # the pipe's copy starts different on purpose: the broadcast fixes it
+    source = tied_model()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.copy_(dict(plain.named_parameters())[_name(source, p)])
+        if dist.get_rank() == dist.get_world_size() - 1:
+            source[0][0].weight.add_(1.0)  # the last rank's copy must be overwritten
+    pipe = DistributedPipe(source, chunks=3, schedule=schedule, timeout=30)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = data(7, seed=step)
+        y = torch.cat([y, y], 1)
+        opt_ref.zero_grad(set_to_none=True)
+        ref_loss = nn.functional.mse_loss(plain(x), y)
+        ref_loss.backward()
+        ref = {n: p.grad.clone() for n, p in plain.named_parameters(remove_duplicate=False)}
+        opt.zero_grad(set_to_none=True)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss, optimizer=opt)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        check_grads(pipe, ref, f"tied step {step}")
+        opt_ref.step()
+    after = dict(plain.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, after[name], **TOL)
+    return {"names": [n for n, _ in pipe.named_parameters()]}
+
+
+def _name(module: nn.Module, param: nn.Parameter) -> str:
+    return next(n for n, p in module.named_parameters() if p is param)
+
+
+def bn_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    # One batch norm, on the second rank (a batch norm after another one sees inputs that
+    # depend on per-micro-batch statistics, so its running statistics cannot match exactly).
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                         nn.BatchNorm1d(WIDTH), nn.Tanh(), nn.Linear(WIDTH, 4))
+
+
+def deferred_batch_norm(steps: int = 3) -> Dict:
+    """Running statistics on every rank equal the plain model's after several steps."""
+    plain = bn_model()
+    pipe = DistributedPipe(bn_model(), chunks=3, balance=[3, 3], deferred_batch_norm=True,
+                           timeout=30)
+    for step in range(steps):
+        x, y = data(11, seed=step)
+        nn.functional.mse_loss(plain(x), y).backward()
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    expected = dict(plain.named_buffers())
+    names = []
+    for name, buffer in pipe.named_buffers():
+        torch.testing.assert_close(buffer, expected[name], **TOL,
+                                   msg=lambda m: f"running statistic {name}: {m}")
+        names.append(name)
+    return {"buffers": names}
+
+
+class InfGrad(nn.Module):
+    """Identity whose backward turns every gradient into inf while ``armed``."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InfBackward.apply(x) if InfGrad.armed else x
+
+
+class _InfBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")
+
+
+def grad_scaler() -> Dict:
+    """A GradScaler through train_step(scaler=, optimizer=): a finite step equals the unscaled
+    plain step; a step with an inf gradient on the last rank only is skipped on every rank and
+    every rank halves its scale alike."""
+    def with_inf() -> nn.Sequential:
+        layers = list(model(depth=6))
+        return nn.Sequential(*layers[:5], InfGrad(), *layers[5:])
+    plain, source = with_inf(), with_inf()
+    pipe = DistributedPipe(source, chunks=2, balance=[3, 4], timeout=30)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    x, y = data(6)
+    opt_ref.zero_grad()
+    nn.functional.mse_loss(plain(x), y).backward()
+    opt_ref.step()
+    pipe.train_step(x, y, nn.functional.mse_loss, scaler=scaler, optimizer=opt)
+    after = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, after[name], **TOL)
+    before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    InfGrad.armed = True
+    opt.zero_grad()
+    pipe.train_step(x, y, nn.functional.mse_loss, scaler=scaler, optimizer=opt)
+    unchanged = all(torch.equal(p, before[n]) for n, p in pipe.named_parameters())
+    return {"unchanged": unchanged, "scale": scaler.get_scale()}
+
+
+def autocast_bf16() -> Dict:
+    """bf16 autocast reaches every rank's stages: close to the plain model under autocast."""
+    plain = model()
+    x, y = data(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = nn.functional.mse_loss(plain(x).float(), y)
+    pipe = DistributedPipe(model(), chunks=2, timeout=30)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.train_step(x, y, lambda out, t: nn.functional.mse_loss(out.float(), t))
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=2e-2, atol=2e-2)
+    dtypes = sorted({str(p.grad.dtype) for p in pipe.parameters()})
+    return {"loss": loss.item(), "ref": ref_loss.item(), "grad_dtypes": dtypes}
+
+
+@fastpipe.skip.skippable(stash=["h"])
+class StashH(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fastpipe.skip.stash("h", torch.tanh(x))
+        return x
+
+
+@fastpipe.skip.skippable(pop=["h"])
+class AddH(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 2 * fastpipe.skip.pop("h")
+
+
+@fastpipe.skip.skippable(stash=["e"])
+class StashE(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fastpipe.skip.stash("e", x * 3)
+        return x
+
+
+@fastpipe.skip.skippable(pop=["e"])
+class MulE(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * fastpipe.skip.pop("e").sigmoid()
+
+
+def skip_model() -> nn.Sequential:
+    """Skip "h" from the first layers to the last ones (across every rank in between), skip
+    "e" from the middle to near the end."""
+    torch.manual_seed(11)
+    layers: List[nn.Module] = [nn.Linear(WIDTH, WIDTH), StashH()]
+    for i in range(6):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        if i == 2:
+            layers.append(StashE())
+    layers += [MulE(), AddH(), nn.Linear(WIDTH, 4)]
+    return nn.Sequential(*layers)
+
+
+def skip_connections(schedules: List[List[Any]]) -> Dict:
+    """Skip tensors go straight from the producing rank to the consuming one, and their
+    gradients back: loss and gradients equal the plain model's (where stash / pop act as a
+    per-forward dictionary); the forward-only path too."""
+    for name, v, mode in schedules:
+        plain = skip_model()
+        x, y = data(13)
+        ref_loss, ref = reference_grads(plain, x, y)
+        pipe = DistributedPipe(skip_model(), chunks=4, schedule=name, virtual_stages=v,
+                               checkpoint=mode, timeout=30)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        where = f"skips {name} v={v} {mode}"
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{where}: loss {m}")
+        check_grads(pipe, ref, where)
+        out = pipe(x)
+        if out is not None:
+            torch.testing.assert_close(out, plain(x).detach(), **TOL)
+    return {"ok": True}
+
+
+def several(cases: List[List[Any]]) -> Dict:
+    """Run several cases in the same processes (saves a start-up per case)."""
+    return {name: CASES[name](**args) for name, args in cases}
+
+
+CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure,
+                                 bad_targets, meta_and_factories, tied_weights,
+                                 deferred_batch_norm, grad_scaler, autocast_bf16,
+                                 skip_connections, several)}
+
+
+def main() -> None:
+    case, args = sys.argv[1], json.loads(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1,
+                          is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    result = CASES[case](**args)
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""DistributedPipe on gloo: processes started by the tests, each launch with a hard time limit.
+
+Every rank compares its loss and its parameters' gradients with the plain model's (computed in
+the same process), so a launch passes only if every rank is exact.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from dist_launch import assert_all_ok, describe, launch
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+EVERY_SCHEDULE_2 = [["gpipe", 1, "except_last"], ["1f1b", 1, "never"], ["1f1b", 1, "always"],
+                    ["1f1b", 1, "except_last"], ["interleaved", 2, "except_last"],
+                    ["looped-bfs", 2, "never"], ["zb-h1", 1, "except_last"],
+                    ["zbv", 2, "always"], ["dualpipev", 2, "never"]]
+EVERY_SCHEDULE_4 = [["gpipe", 1, "never"], ["1f1b", 1, "except_last"],
+                    ["interleaved", 2, "never"], ["looped-bfs", 2, "always"],
+                    ["zb-h1", 1, "never"], ["zbv", 2, "except_last"],
+                    ["dualpipev", 2, "except_last"]]
+
+
+def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
+    results = assert_all_ok(launch("several", 2, limit=240, args={"cases": [
+        ["transparency", {"schedules": EVERY_SCHEDULE_2, "batches": [8, 13]}],
+        ["variable_shapes", {"schedule": "1f1b"}],
+        ["variable_shapes", {"schedule": "zb-h1"}],
+        ["meta_and_factories", {}],
+        ["skip_connections", {"schedules": [["1f1b", 1, "except_last"], ["zb-h1", 1, "never"],
+                                            ["zbv", 2, "always"]]}],
+    ]}))
+    keys = [r["meta_and_factories"] for r in results]
+    assert keys[0]["meta"] == keys[0]["factories"]
+    assert keys[0]["meta"][0] == "0.0.bias" and keys[1]["meta"][-1] == "7.weight"
+
+
+def test_training_features_across_processes():
+    """Tied weights, deferred batch norm, a GradScaler skipping an inf step everywhere, bf16
+    autocast on every rank."""
+    results = assert_all_ok(launch("several", 2, limit=180, args={"cases": [
+        ["tied_weights", {"schedule": "1f1b"}], ["tied_weights", {"schedule": "zb-h1"}],
+        ["deferred_batch_norm", {}], ["grad_scaler", {}], ["autocast_bf16", {}]]}))
+    assert "0.0.weight" in results[0]["tied_weights"]["names"]
+    assert "7.weight" in results[1]["tied_weights"]["names"]  # the last rank's copy
+    assert results[1]["deferred_batch_norm"]["buffers"] == [
+        "3.running_mean", "3.running_var", "3.num_batches_tracked"]
+    for r in results:  # the inf gradient was on the last rank only; both ranks skipped
+        assert r["grad_scaler"] == {"unchanged": True, "scale": 128.0}
+
+
+def test_four_ranks_every_schedule_and_skips_across_ranks():
+    assert_all_ok(launch("several", 4, limit=300, args={"cases": [
+        ["transparency", {"schedules": EVERY_SCHEDULE_4, "batches": [13]}],
+        ["skip_connections", {"schedules": [["1f1b", 1, "never"],
+                                            ["dualpipev", 2, "except_last"]]}]]}))
+
+
+def test_pipeline_times_data_parallel():
+    results = assert_all_ok(launch("data_parallel", 4, limit=180))
+    assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same loss
+
+
+@pytest.mark.parametrize("world, failing", [(2, 1), (4, 2)])
+def test_a_raising_rank_stops_every_other_rank_fast(world, failing):
+    results = launch("failure", world, limit=120,
+                     args={"kind": "raise", "failing_rank": failing, "timeout": 30.0})
+    assert all(r.returncode is not None for r in results), describe(results)  # nobody hung
+    for r in results:
+        assert r.result is not None, describe(results)
+        assert r.result["error"] is not None
+        assert r.result["seconds"] < 10.0, describe(results)  # well within the 30 s timeout
+        assert f"rank {failing}" in r.result["message"], describe(results)
+        assert "boom in a user layer" in r.result["message"]
+    assert results[failing].result["error"] == "StageFailure"
+    assert all(r.result["error"] == "PipelineAborted" for i, r in enumerate(results)
+               if i != failing)
+
+
+def test_a_killed_rank_never_leaves_the_others_hanging():
+    results = launch("failure", 2, limit=120,
+                     args={"kind": "die", "failing_rank": 1, "timeout": 30.0})
+    assert results[1].returncode == 17, describe(results)
+    survivor = results[0].result
+    assert survivor is not None and survivor["error"] is not None, describe(results)
+    assert survivor["seconds"] < 10.0 and "rank 1" in survivor["message"]
+
+
+def test_mismatched_targets_fail_before_any_backward_on_every_rank():
+    results = launch("bad_targets", 2, limit=120)
+    assert all(r.result is not None for r in results), describe(results)
+    assert results[1].result["error"] == "ValueError"
+    assert "batch size 6" in results[1].result["message"]
+    assert results[0].result["error"] == "PipelineAborted"
+    assert not any(any(r.result["grads"]) for r in results)  # no gradient was touched
+
+
+def test_torchrun_runs_the_example_end_to_end():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", os.path.join(root, "examples", "train_gpt.py"),
+               "--steps", "4", "--batch", "8", "--timeout", "60"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=root, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+        proc.communicate()
+        pytest.fail("torchrun did not finish in 120 s")
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    assert "median step" in out and "loss nan" not in out
