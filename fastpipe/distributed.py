@@ -14,6 +14,7 @@ averaged across replicas, each stage's as soon as its last backward of the step 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -24,7 +25,7 @@ from torch import nn
 
 from . import amp, batchnorm, microbatch, tied as tied_weights
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
-from .errors import PipelineAborted
+from .errors import PipelineAborted, PipelineError
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
                         check_virtual_stages)
 from .runtime.board import Board, wait_work
@@ -145,13 +146,14 @@ class DistributedPipe(nn.Module):
         names = sorted({name for plan in skips.values() for name, _ in plan.sends})
         self._board = Board(f"pipe{next(_instances)}", rank)
         self._executor = DistributedExecutor(self._topology, self._board, self._after_action,
-                                             Kinds(names))
+                                             Kinds(names), self._skips)
         self._sync = _grad_sync(data_parallel_group, self._board, self._timeout)
         self._tied = TiedSync(shared, owner, self._group, self._device, self._board,
                               self._timeout)
         self._tied.broadcast_initial()
         self._data_group = data_parallel_group
         self._steps = 0
+        self._broken: Optional[str] = None
         self._last_actions: Dict[Any, int] = {}
 
     # ---------------------------------------------------------------- properties
@@ -206,6 +208,7 @@ class DistributedPipe(nn.Module):
         the step together); without ``optimizer``, call ``fastpipe.amp.unscale_and_sync(scaler,
         optimizer)`` on every rank before ``scaler.step(optimizer)``.
         """
+        self._check_usable()
         try:
             return self._train_step(inputs, targets, loss_fn, loss_reduction,
                                     amp.check_scaler(scaler), optimizer)
@@ -216,6 +219,7 @@ class DistributedPipe(nn.Module):
     def forward(self, inputs: Any) -> Optional[Any]:
         """Forward-only evaluation (no graph, no recompute, nothing kept for backward): the
         output on the last stage's rank, ``None`` on the others."""
+        self._check_usable()
         try:
             with torch.no_grad():
                 return self._forward(inputs)
@@ -224,9 +228,20 @@ class DistributedPipe(nn.Module):
             raise
 
     def _publish(self, error: BaseException) -> None:
-        if not isinstance(error, PipelineAborted) or "stopped because" not in str(error):
-            self._board.publish(f"rank {self._topology.rank} (stage {self._topology.stage}) "
-                                f"failed: {type(error).__name__}: {error}")
+        """After any failure: tell the other ranks (unless they told this one), and refuse
+        further steps (the peers' message streams are no longer in step with this rank's)."""
+        if self._broken is None:
+            self._broken = f"{type(error).__name__}: {error}"
+        if isinstance(error, PipelineAborted):
+            return  # another rank failed first and told everyone
+        self._executor.fail(f"rank {self._topology.rank} (stage {self._topology.stage}) "
+                            f"failed: {type(error).__name__}: {error}")
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise PipelineError(f"a previous step of this DistributedPipe failed ({self._broken}"
+                                f"); the ranks' message streams are out of step: destroy the "
+                                f"process group and build new pipes")
 
     def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                     loss_reduction: str, scaler: Optional[Any],
@@ -254,7 +269,7 @@ class DistributedPipe(nn.Module):
         self._last_actions = last_gradient_actions(schedule.actions[self._topology.stage],
                                                    schedule)
         self._run(schedule.actions, step, schedule)
-        loss = self._share_loss(step, len(sizes))
+        loss = self._step_loss(step, len(sizes))
         if self._sync is not None:
             self._sync.finish()
         self._tied.sum_gradients()
@@ -328,8 +343,7 @@ class DistributedPipe(nn.Module):
         learned_from: Optional[int] = None
         if entry > 0:
             learned_from = self._topology.owner[entry - 1]
-            header = self._executor.learn_microbatches(learned_from, step,
-                                                       lambda m: links_for(m)[learned_from])
+            header = self._executor.learn_microbatches(learned_from, step)
             learned = microbatch.split_sizes(header.batch_size, self._chunks)
             if len(learned) != header.num_microbatches:
                 raise RuntimeError(f"rank {learned_from} split a batch of {header.batch_size} "
@@ -345,25 +359,23 @@ class DistributedPipe(nn.Module):
         m = len(sizes)
         self._executor.info.step, self._executor.info.num_microbatches = self._steps, m
         self._executor.info.batch_size = sum(sizes)
-        self._executor.start_receivers(step, [link for src, link in links_for(m).items()
-                                              if src != learned_from])
+        self._executor.info.losses = step.losses  # filled by the last stage or by the headers
+        self._executor.expect(step, list(links_for(m).values()), learned_from)
         if step.batch is not None:
             step.inputs = microbatch.scatter(step.batch, sizes)
         if step.targets is not None:
             step.targets = microbatch.scatter(step.targets, sizes)
         return sizes
 
-    def _share_loss(self, step: StepState, m: int) -> torch.Tensor:
-        """The step's loss, from the last stage's rank to every rank (averaged over replicas)."""
-        last = len(self._stages) - 1
-        if self._topology.local(last):
-            loss = torch.stack([step.losses[i] for i in range(m)]).sum().detach().float()
-        else:
-            loss = torch.zeros((), device=self._device)
-        loss = loss.to(self._device)
-        work = dist.broadcast(loss, src=self._topology.owner[last], group=self._group,
-                              async_op=True)
-        wait_work(work, self._timeout, "the step's loss from the last stage's rank", self._board)
+    def _step_loss(self, step: StepState, m: int) -> torch.Tensor:
+        """The step's loss on every rank: the last stage's rank computed the micro-batch losses,
+        the others received them in the headers of their gradients (averaged over replicas)."""
+        missing = [i for i in range(m) if i not in step.losses]
+        if missing:
+            raise PipelineError(f"rank {self._topology.rank}: the losses of micro-batches "
+                                f"{missing} never arrived with their gradients")
+        total = math.fsum(float(step.losses[i]) for i in range(m))  # the same sum everywhere
+        loss = torch.tensor(total, dtype=torch.float32, device=self._device)
         if self._data_group is not None and dist.get_world_size(self._data_group) > 1:
             work = dist.all_reduce(loss, group=self._data_group, async_op=True)
             wait_work(work, self._timeout, "the data-parallel loss average", self._board)

@@ -163,9 +163,10 @@ class Die(nn.Module):
         return x
 
 
-def failure(kind: str, failing_rank: int, timeout: float = 20.0) -> Dict:
+def failure(kind: str, failing_rank: int, timeout: float = 20.0, linger: float = 0.0) -> Dict:
     """One rank raises (or dies) mid-step; every other rank must stop with an error naming it
-    well within ``timeout``."""
+    well within ``timeout``. ``linger``: the failing rank stays alive that long after raising
+    (its peers must not rely on its process exiting)."""
     layers = list(model(depth=6))
     bad = Boom() if kind == "raise" else Die()
     per = len(layers) // dist.get_world_size()
@@ -180,8 +181,10 @@ def failure(kind: str, failing_rank: int, timeout: float = 20.0) -> Dict:
     try:
         pipe.train_step(x, y, nn.functional.mse_loss)
     except Exception as error:  # noqa: BLE001 - reported to the test
-        return {"error": type(error).__name__, "message": str(error)[:600],
-                "seconds": time.monotonic() - start}
+        seconds = time.monotonic() - start
+        if dist.get_rank() == failing_rank:
+            time.sleep(linger)
+        return {"error": type(error).__name__, "message": str(error)[:600], "seconds": seconds}
     return {"error": None, "seconds": time.monotonic() - start}
 
 

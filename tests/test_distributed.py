@@ -68,10 +68,12 @@ def test_pipeline_times_data_parallel():
     assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same loss
 
 
-@pytest.mark.parametrize("world, failing", [(2, 1), (4, 2)])
-def test_a_raising_rank_stops_every_other_rank_fast(world, failing):
-    results = launch("failure", world, limit=120,
-                     args={"kind": "raise", "failing_rank": failing, "timeout": 30.0})
+@pytest.mark.parametrize("world, failing, linger", [(2, 1, 0.0), (4, 2, 0.0), (4, 0, 12.0)])
+def test_a_raising_rank_stops_every_other_rank_fast(world, failing, linger):
+    """The other ranks stop within seconds (not the 30 s timeout), naming the failed rank, also
+    when the failed process stays alive (``linger``) and so closes no connection."""
+    results = launch("failure", world, limit=120, args={
+        "kind": "raise", "failing_rank": failing, "timeout": 30.0, "linger": linger})
     assert all(r.returncode is not None for r in results), describe(results)  # nobody hung
     for r in results:
         assert r.result is not None, describe(results)

@@ -1,6 +1,8 @@
 """The pure parts of the distributed transport: wire format, buckets, channels, last actions."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -15,10 +17,11 @@ from fastpipe.skip.layout import StageSkips
 
 
 def test_header_round_trips_and_rejects_garbage():
-    header = Header(1, 3, 2, 8, 61, 120, 4096, 17)
+    header = Header(1, 3, 2, 8, 61, 120, 4096, 17, loss=0.123456789)
     assert Header.decode(header.encode()) == header
+    assert math.isnan(Header.decode(Header(0, 0, 0, 1, 1, 0, 0, 0).encode()).loss)
     with pytest.raises(ValueError, match="corrupt pipeline message header"):
-        Header.decode(torch.zeros(9, dtype=torch.int64))
+        Header.decode(torch.zeros(10, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("tensors", [

@@ -21,11 +21,12 @@ import torch.distributed as dist
 
 from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
 from ..schedule import Action, ActionKind, Schedule
-from .board import CHECK_EVERY, Board, wait_work
+from .board import CHECK_EVERY, Board
 from .executor import LocalExecutor
 from .mailbox import Mailbox
-from .p2p import Flow, Kinds, Link, LinkReceiver, Outbox, PeerPayloads, SendLog, StepInfo
-from .step import StepState
+from .p2p import (Flow, Inbox, Kinds, Link, Outbox, PeerFailed, PeerPayloads, SendLog,
+                  StepInfo, send_failure)
+from .step import StepState, is_ready
 from .wire import Header
 
 
@@ -79,56 +80,112 @@ class DistributedExecutor(LocalExecutor):
 
     def __init__(self, topology: Topology, board: Board,
                  after_action: Optional[Callable[[StepState, Any, Action], None]] = None,
-                 kinds: Optional[Kinds] = None) -> None:
+                 kinds: Optional[Kinds] = None, skips: Optional[Dict[int, Any]] = None) -> None:
         super().__init__([[topology.stage]])
         self.kinds = kinds or Kinds()
         self.topology = topology
         self.board = board
         self.after_action = after_action
+        self.skips = skips or {}
         self.info = StepInfo()
-        self._receivers: Dict[int, LinkReceiver] = {}  # metadata caches live across steps
-        # payload sizes sent to / received from each peer (two objects: sends and receives
-        # happen on different threads, and each side only mirrors its peer)
+        self._inboxes: Dict[int, Inbox] = {}  # metadata caches live across steps
+        # payload sizes sent to / received from each peer, mirrored on the other side
         prepost = dist.get_backend(topology.group) == "gloo"
         self._sent_sizes, self._received_sizes = PeerPayloads(prepost), PeerPayloads(prepost)
         self._outboxes: Dict[int, Outbox] = {}
         self.sends = SendLog()
+        self._notices = SendLog()  # failure notices, never waited for
 
-    # ---------------------------------------------------------------- receivers
-    def receiver(self, src_rank: int) -> LinkReceiver:
-        if src_rank not in self._receivers:
-            self._receivers[src_rank] = LinkReceiver(src_rank, self.topology.group,
-                                                     self.topology.device, self.topology.rank,
-                                                     self.kinds, self._received_sizes)
-        return self._receivers[src_rank]
+    # ---------------------------------------------------------------- receiving
+    def inbox(self, src_rank: int) -> Inbox:
+        if src_rank not in self._inboxes:
+            self._inboxes[src_rank] = Inbox(src_rank, self.topology.group, self.topology.device,
+                                            self.topology.rank, self.kinds,
+                                            self._received_sizes, self.info)
+        return self._inboxes[src_rank]
 
-    def learn_microbatches(self, src_rank: int, step: StepState,
-                           link_for: Callable[[int], Link]) -> Header:
-        """Start receiving from ``src_rank`` before the step's size is known here; wait for its
-        first header (it carries the micro-batch count and batch size) and return it. The
-        receiver then takes ``link_for(count)``'s messages."""
-        first: List[Header] = []
-        arrived = threading.Event()
-        link = Link(src_rank, [Flow("first message", -1, src_rank, -1, 1)])
+    def learn_microbatches(self, src_rank: int, step: StepState) -> Header:
+        """Receive the step's first message from ``src_rank`` before the step's size is known
+        here, and return its header (it carries the micro-batch count and batch size)."""
+        inbox = self.inbox(src_rank)
+        inbox.begin(None)
+        return self._receive(step, inbox, f"the first message of the step from rank {src_rank}",
+                             time.monotonic() + step.timeout)
 
-        def on_header(header: Header) -> None:
-            if not first:
-                first.append(header)
-                link.flows = link_for(header.num_microbatches).flows
-                arrived.set()
+    def expect(self, step: StepState, found: Sequence[Link], learned_from: Optional[int]) -> None:
+        """Post the first receive from every peer that sends this rank something this step."""
+        for inbox in self._inboxes.values():
+            if inbox.src_rank != learned_from:
+                inbox.begin(0)
+        for link in found:
+            if link.src_rank == learned_from:
+                self.inbox(link.src_rank).expect(link.count - 1)
+            else:
+                self.inbox(link.src_rank).begin(link.count)
 
-        self.receiver(src_rank).start(link, step.mailboxes, step.abort, step.timeout + 5.0,
-                                      on_header, self.board.read)
-        wait_work(None, step.timeout, f"the first message of the step from rank {src_rank}",
-                  self.board, done=lambda: arrived.is_set() or step.abort.reason is not None)
-        if step.abort.reason is not None:
-            raise PipelineAborted(f"rank {self.topology.rank}: {step.abort.reason}")
-        return first[0]
+    def _receive(self, step: StepState, inbox: Inbox, what: str, deadline: float) -> Header:
+        """One message from ``inbox``, with errors that name this rank, the peer and ``what``
+        this rank waited for."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PipelineTimeout(f"rank {self.topology.rank} timed out after {step.timeout:g}s "
+                                  f"waiting for {what}; rank {inbox.src_rank} is stuck or slow: "
+                                  f"raise timeout=... if stages are this slow",
+                                  rank=self.topology.rank)
+        try:
+            return inbox.receive_one(step.mailboxes, remaining)
+        except PeerFailed as failure:
+            raise PipelineAborted(f"rank {self.topology.rank} stopped waiting for {what} "
+                                  f"because {failure}") from None
+        except RuntimeError as error:
+            cause = self.board.read()
+            if cause is not None:
+                raise PipelineAborted(f"rank {self.topology.rank} stopped waiting for {what} "
+                                      f"because {cause}") from None
+            kind = PipelineTimeout if "timed out" in str(error).lower() else PipelineError
+            raise kind(f"rank {self.topology.rank} could not receive {what} from rank "
+                       f"{inbox.src_rank}: {error}") from error
+
+    def _sleep(self, step: StepState, group: List[int], programs: Sequence[Sequence[Action]],
+               cursors: Dict[int, int], virtual_stage: Any, bell: threading.Condition,
+               deadline: float) -> None:
+        """Instead of sleeping: take messages from the peer that sends what the next action
+        needs, until it is ready (the peer sent them in this order)."""
+        s = group[0]
+        action = programs[s][cursors[s]]
+        stage = step.stages[virtual_stage(action)]
+        what = f"the input of action {action} (micro-batch {action.microbatch})"
+        while not is_ready(step, stage, action):
+            if step.abort.reason is not None:
+                raise PipelineAborted(f"stage {action.stage} stopped waiting for {what} because "
+                                      f"{step.abort.reason}")
+            src = self._source_of_missing(step, stage, action)
+            self._receive(step, self.inbox(src), what, deadline)
+
+    def _source_of_missing(self, step: StepState, stage: Any, action: Action) -> int:
+        """The rank that sends the first message ``action`` still lacks."""
+        v, mb, box = stage.index, action.microbatch, step.mailboxes[stage.index]
+        plan = self.skips.get(v)
+        needs: List[tuple] = []
+        if action.kind == ActionKind.FORWARD:
+            needs.append((("act", mb), v - 1))
+            needs += [(("skip", name, mb), src) for name, src in (plan.receives if plan else ())]
+        elif action.kind == ActionKind.BACKWARD:
+            needs.append((("grad", mb), v + 1))
+            needs += [(("skipgrad", name, mb), dst) for name, dst in (plan.sends if plan else ())]
+        for key, src_stage in needs:
+            if 0 <= src_stage < len(step.stages) and not box.has(key):
+                if self.topology.local(src_stage):
+                    raise PipelineError(f"stage {v} waits for {key} from stage {src_stage} on "
+                                        f"this rank, which has not sent it: the schedule runs "
+                                        f"them out of order")
+                return self.topology.owner[src_stage]
+        raise PipelineError(f"action {action} is not ready but lacks no message")
 
     # ---------------------------------------------------------------- one step
     def wire(self, step: StepState, schedule: Schedule) -> None:
-        """Give every virtual stage a mailbox: local ones ring this rank's worker, remote ones
-        send. Call before starting receivers; ``run`` keeps this wiring."""
+        """Give every virtual stage a mailbox: local ones for this rank's stages, outboxes that
+        send for the others'."""
         bell = threading.Condition()
         step.mailboxes = []
         for v in range(schedule.num_virtual_stages):
@@ -143,11 +200,6 @@ class DistributedExecutor(LocalExecutor):
         step.abort.register(bell)
         self._bell = bell
 
-    def start_receivers(self, step: StepState, found: Sequence[Link]) -> None:
-        for link in found:
-            self.receiver(link.src_rank).start(link, step.mailboxes, step.abort,
-                                               step.timeout + 5.0, explain=self.board.read)
-
     def run(self, programs: Sequence[Sequence[Action]], step: StepState,
             schedule: Schedule) -> None:
         """Run this rank's program; wait for its sends; every error names the rank."""
@@ -155,8 +207,7 @@ class DistributedExecutor(LocalExecutor):
             super().run(programs, step, schedule)
             self._flush_sends(step.timeout)
         except PipelineError as error:
-            self.board.publish(f"rank {self.topology.rank} (stage {self.topology.stage}) "
-                               f"failed: {error}")
+            self.fail(f"rank {self.topology.rank} (stage {self.topology.stage}) failed: {error}")
             raise _with_rank(error, self.topology.rank) from error.__cause__
 
     def _check_programs(self, programs: Sequence[Sequence[Action]]) -> None:
@@ -203,10 +254,17 @@ class DistributedExecutor(LocalExecutor):
                 raise PipelineError(f"rank {self.topology.rank}: the send of the {what} did not "
                                     f"complete within {timeout:g}s: {error}") from error
 
-    def join_receivers(self, timeout: float) -> None:
-        for receiver in self._receivers.values():
-            receiver.join(timeout)
-
+    def fail(self, reason: str) -> None:
+        """Tell every rank: post ``reason`` on the board, and send a failure notice to every
+        other rank of the pipeline (any of them may be blocked on a message from this one)."""
+        self.board.publish(reason)
+        peers = dist.get_process_group_ranks(self.topology.group)
+        for peer in [r for r in peers if r != self.topology.rank]:
+            try:
+                send_failure(peer, self.topology.group, self.topology.device, reason,
+                             self._notices)  # kept: a dropped send may never leave
+            except Exception:  # noqa: BLE001 - a peer that is gone needs no notice
+                pass
 
 def _with_rank(error: PipelineError, rank: int) -> PipelineError:
     """The same error, its message prefixed with the rank and ``rank`` set."""

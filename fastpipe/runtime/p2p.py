@@ -4,23 +4,23 @@ Messages go between ranks in one order per (sender, receiver) pair: the order in
 sender's stage program produces them (activations, gradients, and the tensors and gradients of
 skip connections, for any of the receiver's stages). The sending side is an :class:`Outbox`,
 which a stage's handlers see as the mailbox of a remote stage: ``put`` ships the message with
-non-blocking sends. The receiving side is one :class:`LinkReceiver` thread per peer and step that
-keeps a receive posted ahead of the compute that will need it and drops each arrived message into
-the mailbox of the local stage its header names. Every wait has a timeout; a failure trips the
-step's abort flag with the ranks involved.
+non-blocking sends. The receiving side is an :class:`Inbox` per peer, which keeps the next
+receive posted ahead of the compute; the rank's worker takes messages from it when an action
+needs them. Every wait has a timeout; a failing rank sends its peers a failure notice in place
+of the next message.
 """
 from __future__ import annotations
 
 import datetime
-import threading
+import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .hop import Parcel
-from .mailbox import Abort, Mailbox
+from .mailbox import Mailbox
 from .wire import HEADER_LEN, Header, Meta, layouts_of, pack, unpack
 
 # fastpipe's tags, apart from a user's own small ones: headers, metadata, payloads. Each is a
@@ -74,15 +74,22 @@ class PeerPayloads:
 
 
 FILLER = 1  # bytes of the filler that takes a pre-posted receive of the wrong size
+ABORT_KIND = 255  # the header kind of a failure notice
 
 
 @dataclass
 class StepInfo:
-    """Facts of the current step that every header repeats (micro-batch count, batch size)."""
+    """Facts of the current step that headers carry: the micro-batch count and batch size
+    (every header), and the micro-batch losses this rank knows (gradient headers)."""
 
     step: int = 0
     num_microbatches: int = 0
     batch_size: int = 0
+    losses: Dict[int, Any] = field(default_factory=dict)  # micro-batch -> 0-dim tensor
+
+    def loss(self, microbatch: int) -> float:
+        value = self.losses.get(microbatch)
+        return math.nan if value is None else float(value)
 
 
 @dataclass
@@ -121,7 +128,7 @@ class Outbox:
                         self.info.num_microbatches, self.info.batch_size,
                         0 if meta_data is None else meta_data.numel(),
                         0 if payload is None else payload.numel() * payload.element_size(),
-                        self.info.step)
+                        self.info.step, self.info.loss(mb) if kind == "grad" else math.nan)
         what = f"{kind} of micro-batch {mb} to stage {self.virtual_stage} on rank {self.rank}"
         self._isend(header.encode().to(self.device), HEADER_TAG, what)
         if meta_data is not None:
@@ -171,76 +178,74 @@ class Link:
                          for f in self.flows)
 
 
-class LinkReceiver:
-    """Receives, in order, the messages one peer rank sends this rank in a step, and drops each
-    into the mailbox of the local stage it is for (the header names it).
+class PeerFailed(RuntimeError):
+    """The peer rank sent a failure notice instead of the message this rank waited for."""
 
-    One receiver per peer keeps messages matched in the peer's send order, which is what both
-    gloo and NCCL (which ignores tags) guarantee. It runs on a daemon thread (a blocked receive
-    never keeps the process alive); its metadata cache lives across steps, as the sender's does.
+
+class Inbox:
+    """The messages one peer rank sends this rank in a step, received in the peer's send order
+    by the thread that needs them, each dropped into the mailbox of the stage it is for (its
+    header names it).
+
+    The next header's receive (and, on gloo, its payload's) is always posted ahead, so the data
+    lands while this rank computes, and a wait for it costs nothing when it is already there;
+    there is no receiving thread to wake. One order per peer is what gloo and NCCL (which ignores
+    tags) both guarantee. The metadata cache lives across steps, as the sender's does.
     """
 
     def __init__(self, src_rank: int, group: Any, device: torch.device, rank: int,
-                 kinds: Kinds, payloads: PeerPayloads) -> None:
+                 kinds: Kinds, payloads: PeerPayloads, info: StepInfo) -> None:
+        self.info = info
         self.payloads = payloads
         self.src_rank = src_rank
         self.group = group
         self.device = device
         self.rank = rank
         self.kinds = kinds
-        self.link = Link(src_rank, [])
+        self.remaining: Optional[int] = 0  # messages still expected this step (None: unknown)
         self._meta: Dict[Tuple[int, str], Meta] = {}
-        self._thread: Optional[threading.Thread] = None
+        self._posted: Optional[Tuple[Any, torch.Tensor, Optional[Tuple[Any, torch.Tensor]]]] = None
 
-    def start(self, link: Link, mailboxes: Sequence[Mailbox], abort: Abort, timeout: float,
-              on_header: Optional[Callable[[Header], None]] = None,
-              explain: Optional[Callable[[], Optional[str]]] = None) -> None:
-        """Start receiving ``link.count`` messages (``on_header`` sees each header first and may
-        extend ``link.flows``; ``explain`` gives the failure another rank posted, the likely
-        cause of a lost peer)."""
-        self.link = link
-        self._thread = threading.Thread(
-            target=self._loop, args=(mailboxes, abort, timeout, on_header, explain), daemon=True,
-            name=f"fastpipe-recv-from-{self.src_rank}")
-        self._thread.start()
+    def begin(self, count: Optional[int]) -> None:
+        """Expect ``count`` messages this step (``None``: until told by ``expect``); posts the
+        first receive."""
+        self.remaining = count
+        self._posted = None
+        if count is None or count > 0:
+            self._post_next()
 
-    def join(self, timeout: float) -> bool:
-        """Wait for the thread to finish; False if it is still blocked."""
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+    def expect(self, count: int) -> None:
+        """After the first message of a step begun with ``None``: ``count`` more follow."""
+        self.remaining = count
+        if count > 0 and self._posted is None:
+            self._post_next()
 
-    def _loop(self, mailboxes: Sequence[Mailbox], abort: Abort, timeout: float,
-              on_header: Optional[Callable[[Header], None]],
-              explain: Optional[Callable[[], Optional[str]]]) -> None:
-        received = 0
-        try:
-            while received < self.link.count:
-                header, early = self._header(timeout, mailboxes)
-                if on_header is not None:
-                    on_header(header)
-                key, message = self._message(header, early, timeout)
-                mailboxes[header.dst_stage].put(key, message)
-                received += 1
-        except BaseException as error:  # noqa: BLE001 - reported through the step's abort flag
-            cause = explain() if explain is not None else None
-            if cause is not None:
-                abort.trip(cause)
-                return
-            abort.trip(f"rank {self.rank} could not receive from rank {self.src_rank} "
-                       f"({self.link.describe() or 'its messages'}); {received} of "
-                       f"{self.link.count} arrived: {type(error).__name__}: {error}")
+    def receive_one(self, mailboxes: Sequence[Mailbox], timeout: float) -> Header:
+        """Wait (at most ``timeout`` seconds per part) for the next message, put it in its
+        stage's mailbox and post the receive of the one after; returns its header."""
+        if self._posted is None:
+            raise RuntimeError(f"no message from rank {self.src_rank} is expected this step")
+        work, buffer, early = self._posted
+        self._posted = None
+        work.wait(datetime.timedelta(seconds=timeout))
+        header = Header.decode(buffer.cpu())
+        if header.kind == ABORT_KIND:
+            raise PeerFailed(self._text(header, timeout))
+        if not 0 <= header.kind < len(self.kinds.names) or \
+                not 0 <= header.dst_stage < len(mailboxes):
+            raise ValueError(f"a message of kind {header.kind} for stage {header.dst_stage}: do "
+                             f"all ranks build the same model (same skip connections, stages)?")
+        key, message = self._message(header, early, timeout)
+        if key[0] == "grad" and not math.isnan(header.loss):
+            self.info.losses.setdefault(header.microbatch, torch.tensor(header.loss))
+        if self.remaining is not None:
+            self.remaining -= 1
+            if self.remaining > 0:
+                self._post_next()
+        mailboxes[header.dst_stage].put(key, message)
+        return header
 
-    def _post(self, buffer: torch.Tensor, tag: int) -> Any:
-        return dist.irecv(buffer, self.src_rank, group=self.group, tag=tag)
-
-    def _recv(self, buffer: torch.Tensor, tag: int, timeout: float) -> None:
-        self._post(buffer, tag).wait(datetime.timedelta(seconds=timeout))
-
-    def _header(self, timeout: float, mailboxes: Sequence[Mailbox]
-                ) -> Tuple[Header, Optional[Tuple[Any, torch.Tensor]]]:
-        """The next header, and the payload receive posted with it (sized like the last one)."""
+    def _post_next(self) -> None:
         buffer = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         work = self._post(buffer, HEADER_TAG)
         early = None
@@ -248,13 +253,18 @@ class LinkReceiver:
         if expected:
             payload = torch.empty(expected, dtype=torch.uint8, device=self.device)
             early = (self._post(payload, PAYLOAD_TAG), payload)
-        work.wait(datetime.timedelta(seconds=timeout))
-        header = Header.decode(buffer.cpu())
-        if not 0 <= header.kind < len(self.kinds.names) or \
-                not 0 <= header.dst_stage < len(mailboxes):
-            raise ValueError(f"a message of kind {header.kind} for stage {header.dst_stage}: do "
-                             f"all ranks build the same model (same skip connections, stages)?")
-        return header, early
+        self._posted = (work, buffer, early)
+
+    def _post(self, buffer: torch.Tensor, tag: int) -> Any:
+        return dist.irecv(buffer, self.src_rank, group=self.group, tag=tag)
+
+    def _recv(self, buffer: torch.Tensor, tag: int, timeout: float) -> None:
+        self._post(buffer, tag).wait(datetime.timedelta(seconds=timeout))
+
+    def _text(self, header: Header, timeout: float) -> str:
+        data = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=self.device)
+        self._recv(data, META_TAG, timeout)
+        return data.cpu().numpy().tobytes().decode(errors="replace")
 
     def _message(self, header: Header, early: Optional[Tuple[Any, torch.Tensor]],
                  timeout: float) -> Tuple[Key, Any]:
@@ -284,6 +294,17 @@ class LinkReceiver:
             message.parcel.event = torch.cuda.Event()
             message.parcel.event.record()
         return key, message
+
+
+def send_failure(rank: int, group: Any, device: torch.device, reason: str,
+                 log: SendLog) -> None:
+    """Tell a peer rank that this one failed: a header of kind ``ABORT_KIND`` and the reason,
+    which the peer's next receive from this rank takes instead of the message it waited for."""
+    text = torch.frombuffer(bytearray(reason.encode()[:4000] or b"?"), dtype=torch.uint8)
+    header = Header(ABORT_KIND, -1, -1, 0, 0, text.numel(), 0, 0)
+    for part, tag in ((header.encode(), HEADER_TAG), (text, META_TAG)):
+        part = part.to(device)
+        log.add(dist.isend(part, rank, group=group, tag=tag), [part], "failure notice")
 
 
 def to_meta(message: Any, tensors: List[Optional[torch.Tensor]]) -> Meta:

@@ -3,8 +3,9 @@
 Every message (an activation or a gradient of one micro-batch) travels as:
 
 1. a header of ``HEADER_LEN`` int64 values: what the message is (kind, micro-batch, the
-   receiving stage), the step's micro-batch count and batch size, and the byte counts of what
-   follows;
+   receiving stage), the step's micro-batch count and batch size, the byte counts of what
+   follows, and (for gradients) the micro-batch's loss, so every rank learns the step's loss
+   from the gradients it receives, without a collective;
 2. the metadata (tensor dtypes and shapes, the pytree structure, non-tensor leaves), pickled,
    only when it differs from the previous message of the same kind to the same stage: the
    receiver caches it, so
@@ -17,7 +18,9 @@ Pure functions on tensors and bytes, no communication: tested without processes.
 """
 from __future__ import annotations
 
+import math
 import pickle
+import struct
 import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -25,7 +28,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 MAGIC = 0x66_70_70_31  # "fpp1"
-HEADER_LEN = 9
+HEADER_LEN = 10
 ALIGN = 16  # bytes: every packed tensor starts at a multiple (any dtype can view it)
 
 
@@ -41,12 +44,13 @@ class Header:
     meta_nbytes: int
     payload_nbytes: int
     step: int
+    loss: float = math.nan  # gradients carry their micro-batch's loss back to every rank
 
     def encode(self) -> torch.Tensor:
+        loss_bits = struct.unpack("<q", struct.pack("<d", self.loss))[0]
         return torch.tensor([MAGIC, self.kind, self.microbatch, self.dst_stage,
-                             self.num_microbatches,
-                             self.batch_size, self.meta_nbytes, self.payload_nbytes,
-                             self.step], dtype=torch.int64)
+                             self.num_microbatches, self.batch_size, self.meta_nbytes,
+                             self.payload_nbytes, self.step, loss_bits], dtype=torch.int64)
 
     @classmethod
     def decode(cls, values: torch.Tensor) -> "Header":
@@ -54,7 +58,8 @@ class Header:
         if len(raw) != HEADER_LEN or raw[0] != MAGIC:
             raise ValueError(f"corrupt pipeline message header {raw}: the ranks disagree on the "
                              f"schedule or another library uses the same tags")
-        return cls(*raw[1:])
+        loss = struct.unpack("<d", struct.pack("<q", raw[-1]))[0]
+        return cls(*raw[1:-1], loss=loss)
 
 
 @dataclass(frozen=True)
