@@ -188,6 +188,8 @@ def test_bad_arguments():
     other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="not the pipe's"):
         pipe.train_step(x, y, nn.MSELoss(), optimizer=other)
+    with pytest.raises(NotImplementedError, match="LBFGS"):
+        pipe.train_step(x, y, nn.MSELoss(), optimizer=torch.optim.LBFGS(pipe.parameters()))
     with pytest.raises(ValueError, match="vertical_sync"):
         fastpipe.Pipe(mlp(), chunks=2, balance=[3, 3], devices=["cpu"] * 2, vertical_sync=True)
     with pytest.raises(ValueError, match="virtual_stages"):

@@ -124,7 +124,12 @@ class PipeDream:
         self.tags: Dict[int, int] = {}  # micro-batch -> stage 0's version at its forward
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every parameter the optimizer steps must belong to exactly one stage."""
+        """Every parameter the optimizer steps must belong to exactly one stage, and its state
+        must be per parameter (each stage steps a view of it on its own thread)."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise NotImplementedError("schedule='pipedream' steps each stage's parameters on "
+                                      "their own; LBFGS keeps one state for all of them: use an "
+                                      "optimizer with per-parameter state (SGD, Adam, ...)")
         owners: Dict[int, int] = {}
         for s, versions in enumerate(self.versions):
             for p in versions.parameters:
