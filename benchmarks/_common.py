@@ -9,6 +9,8 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from fastpipe.progress import progress
+
 
 def time_interleaved(candidates: Dict[str, Callable[[], None]], rounds: int,
                      warmup: int = 3) -> Dict[str, List[float]]:
@@ -17,11 +19,14 @@ def time_interleaved(candidates: Dict[str, Callable[[], None]], rounds: int,
         for _ in range(warmup):
             fn()
     times: Dict[str, List[float]] = {name: [] for name in candidates}
+    bar = progress(rounds, desc="rounds")  # on stderr; silent when stderr is a file
     for _ in range(rounds):
         for name, fn in candidates.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+        bar.update()
+    bar.close()
     return times
 
 

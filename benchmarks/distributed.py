@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpipe.progress import progress
+
 STAGES, WIDTH, LAYERS, BATCH, CHUNKS = 2, 1024, 8, 64, 8
 
 
@@ -101,6 +103,7 @@ def worker() -> None:
         "torch.distributed.pipelining 1F1B": torch_pipelining_step(x, y),
     }
     times: Dict[str, List[float]] = {name: [] for name in candidates}
+    bar = progress(rounds + 2, desc="rounds") if rank == 0 else None
     for r in range(rounds + 2):  # two warm-up rounds
         for name, fn in candidates.items():
             dist.barrier()
@@ -108,6 +111,10 @@ def worker() -> None:
             fn()
             if r >= 2:
                 times[name].append(time.perf_counter() - start)
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     if rank == 0:
         print("TIMES " + json.dumps(times), flush=True)
     dist.destroy_process_group()

@@ -205,6 +205,44 @@ def bad_targets() -> Dict:
     return {"error": None}
 
 
+def checkpoint_across_layouts() -> Dict:
+    """Train on one layout, gather every rank's state dict (plain names), resume on another
+    layout and in the plain model: the next step's loss is the same everywhere."""
+    pipe = DistributedPipe(model(), chunks=3, balance=[4, 4], timeout=30)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = data(9, seed=step)
+        opt.zero_grad()
+        pipe.train_step(x, y, nn.functional.mse_loss, optimizer=opt)
+    parts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: v.clone() for k, v in pipe.state_dict().items()})
+    merged = {k: v for part in parts for k, v in part.items()}
+    plain = model()
+    plain.load_state_dict(merged)  # strict: the pieces make exactly the plain model's keys
+    other = DistributedPipe(model(), chunks=2, balance=[2, 6], timeout=30)
+    other.load_state_dict(merged)
+    x, y = data(9, seed=99)
+    expected = nn.functional.mse_loss(plain(x), y)
+    for label, resumed in (("same layout", pipe), ("other layout", other)):
+        loss = resumed.train_step(x, y, nn.functional.mse_loss)
+        torch.testing.assert_close(loss, expected.detach(), **TOL,
+                                   msg=lambda m: f"{label}: {m}")
+    return {"keys": len(merged)}
+
+
+def boundary_mismatch() -> Dict:
+    """A stage whose input does not fit what the previous stage sends fails at the first step,
+    on every rank, naming the rank, the stage, the action and the micro-batch."""
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, 4))
+    pipe = DistributedPipe(model, chunks=2, balance=[2, 1], timeout=20)
+    x, y = data(4)
+    try:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return {"error": type(error).__name__, "message": str(error)[:400]}
+    return {"error": None}
+
+
 def meta_and_factories() -> Dict:
     """A model built on the meta device, or from layer factories, is materialised per rank;
     after loading the plain state dict the step is exact; state_dict uses plain names."""
@@ -423,7 +461,8 @@ def several(cases: List[List[Any]]) -> Dict:
 
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure,
-                                 bad_targets, meta_and_factories, tied_weights,
+                                 bad_targets, boundary_mismatch, checkpoint_across_layouts,
+                                 meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
                                  skip_connections, several)}
 

@@ -34,6 +34,7 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
         ["variable_shapes", {"schedule": "1f1b"}],
         ["variable_shapes", {"schedule": "zb-h1"}],
         ["meta_and_factories", {}],
+        ["checkpoint_across_layouts", {}],
         ["skip_connections", {"schedules": [["1f1b", 1, "except_last"], ["zb-h1", 1, "never"],
                                             ["zbv", 2, "always"]]}],
     ]}))
@@ -120,3 +121,12 @@ def test_torchrun_runs_the_example_end_to_end():
         pytest.fail("torchrun did not finish in 120 s")
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
     assert "median step" in out and "loss nan" not in out
+
+
+def test_a_boundary_shape_mismatch_is_a_clear_error_at_the_first_step():
+    results = launch("boundary_mismatch", 2, limit=120)
+    assert all(r.result is not None for r in results), describe(results)
+    failed = results[1].result
+    assert failed["error"] == "StageFailure"
+    assert failed["message"].startswith("rank 1: stage 1 failed in action 1F0 (micro-batch 0)")
+    assert "rank 1 (stage 1) failed" in results[0].result["message"]
