@@ -9,7 +9,6 @@ stops this rank within a fraction of a second; every error names this rank.
 """
 from __future__ import annotations
 
-import concurrent.futures as futures
 import datetime
 import threading
 import time
@@ -25,7 +24,7 @@ from .board import CHECK_EVERY, Board
 from .executor import LocalExecutor
 from .mailbox import Mailbox
 from .p2p import (Flow, Inbox, Kinds, Link, Outbox, PeerFailed, PeerPayloads, SendLog,
-                  StepInfo, send_failure)
+                  StepInfo, Transport, send_failure)
 from .step import StepState, is_ready
 from .wire import Header
 
@@ -88,6 +87,8 @@ class DistributedExecutor(LocalExecutor):
         self.after_action = after_action
         self.skips = skips or {}
         self.info = StepInfo()
+        self.transport = Transport(topology.group, topology.device, topology.rank, self.kinds,
+                                   self.info)
         self._inboxes: Dict[int, Inbox] = {}  # metadata caches live across steps
         # payload sizes sent to / received from each peer, mirrored on the other side
         prepost = dist.get_backend(topology.group) == "gloo"
@@ -99,9 +100,7 @@ class DistributedExecutor(LocalExecutor):
     # ---------------------------------------------------------------- receiving
     def inbox(self, src_rank: int) -> Inbox:
         if src_rank not in self._inboxes:
-            self._inboxes[src_rank] = Inbox(src_rank, self.topology.group, self.topology.device,
-                                            self.topology.rank, self.kinds,
-                                            self._received_sizes, self.info)
+            self._inboxes[src_rank] = Inbox(src_rank, self.transport, self._received_sizes)
         return self._inboxes[src_rank]
 
     def learn_microbatches(self, src_rank: int, step: StepState) -> Header:
@@ -193,9 +192,8 @@ class DistributedExecutor(LocalExecutor):
                 step.mailboxes.append(Mailbox(bell))
             else:
                 if v not in self._outboxes:
-                    self._outboxes[v] = Outbox(v, self.topology.owner[v], self.topology.group,
-                                               self.topology.device, self.info, self.sends,
-                                               self.kinds, self._sent_sizes)
+                    self._outboxes[v] = Outbox(v, self.topology.owner[v], self.transport,
+                                               self.sends, self._sent_sizes)
                 step.mailboxes.append(self._outboxes[v])
         step.abort.register(bell)
         self._bell = bell
@@ -220,23 +218,10 @@ class DistributedExecutor(LocalExecutor):
         step.busy = [0.0]
         return [self._bell]
 
-    def _watch(self, jobs: List["futures.Future[None]"], step: StepState) -> None:
-        """Wait for the worker; stop at a failure posted by another rank, or no progress."""
-        seen, since = -1, time.monotonic()
-        while True:
-            done, pending = futures.wait(jobs, timeout=CHECK_EVERY,
-                                         return_when=futures.FIRST_EXCEPTION)
-            if not pending or any(job.exception() is not None for job in done):
-                return
-            reason = self.board.read()
-            if reason is not None:
-                step.abort.trip(reason)
-                return
-            if step.completed != seen:
-                seen, since = step.completed, time.monotonic()
-            elif time.monotonic() - since > step.timeout:
-                step.abort.trip("the step made no progress")
-                return
+    watch_every = CHECK_EVERY
+
+    def _failure_elsewhere(self) -> Optional[str]:
+        return self.board.read()
 
     def _run_action(self, step: StepState, worker: int, stage: Any, action: Action) -> None:
         super()._run_action(step, worker, stage, action)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import threading
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
 from ..schedule import Action, ActionKind, Schedule
@@ -65,14 +65,24 @@ class LocalExecutor:
             raise ValueError(f"expected {sum(len(g) for g in self.groups)} stage programs, "
                              f"got {len(programs)}")
 
-    @staticmethod
-    def _watch(jobs: List["futures.Future[None]"], step: StepState) -> None:
-        """Wait for the workers; give up on a step whose actions stopped finishing."""
+    watch_every = 1.0  # seconds between the watchdog's looks while the workers run
+
+    def _failure_elsewhere(self) -> Optional[str]:
+        """A failure reported from outside this executor (another rank), or None."""
+        return None
+
+    def _watch(self, jobs: List["futures.Future[None]"], step: StepState) -> None:
+        """Wait for the workers; give up on a step whose actions stopped finishing, or that
+        failed elsewhere."""
         seen, since = -1, time.monotonic()
         while True:
-            done, pending = futures.wait(jobs, timeout=min(step.timeout, 1.0),
+            done, pending = futures.wait(jobs, timeout=min(step.timeout, self.watch_every),
                                          return_when=futures.FIRST_EXCEPTION)
             if not pending or any(job.exception() is not None for job in done):
+                return
+            reason = self._failure_elsewhere()
+            if reason is not None:
+                step.abort.trip(reason)
                 return
             if step.completed != seen:
                 seen, since = step.completed, time.monotonic()

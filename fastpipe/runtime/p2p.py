@@ -102,19 +102,29 @@ class SendLog:
         self.works.append((work, tensors, what))
 
 
+@dataclass
+class Transport:
+    """What both ends of this rank's messages share: the pipeline's process group, where
+    buffers live, the numbering of message kinds, and the facts of the current step."""
+
+    group: Any
+    device: torch.device
+    rank: int  # this process's global rank
+    kinds: Kinds
+    info: StepInfo
+
+
 class Outbox:
     """The mailbox of a stage held by another rank: ``put`` sends the message there."""
 
-    def __init__(self, virtual_stage: int, rank: int, group: Any, device: torch.device,
-                 info: StepInfo, log: SendLog, kinds: Kinds, payloads: PeerPayloads) -> None:
-        self.kinds = kinds
-        self.payloads = payloads
+    def __init__(self, virtual_stage: int, rank: int, transport: Transport, log: SendLog,
+                 payloads: PeerPayloads) -> None:
         self.virtual_stage = virtual_stage
-        self.rank = rank
-        self.group = group
-        self.device = device
-        self.info = info
+        self.rank = rank  # the receiving rank
+        self.transport = transport
+        self.kinds, self.info, self.device = transport.kinds, transport.info, transport.device
         self.log = log
+        self.payloads = payloads
         self._sent_meta: Dict[str, Meta] = {}
 
     def put(self, key: Key, message: Any) -> None:
@@ -143,7 +153,7 @@ class Outbox:
             self._sent_meta[kind] = meta
 
     def _isend(self, part: torch.Tensor, tag: int, what: str) -> None:
-        work = dist.isend(part, self.rank, group=self.group, tag=tag)
+        work = dist.isend(part, self.rank, group=self.transport.group, tag=tag)
         self.log.add(work, [part], what)
 
     def has(self, key: Any) -> bool:  # pragma: no cover - remote stages are never polled
@@ -193,15 +203,11 @@ class Inbox:
     tags) both guarantee. The metadata cache lives across steps, as the sender's does.
     """
 
-    def __init__(self, src_rank: int, group: Any, device: torch.device, rank: int,
-                 kinds: Kinds, payloads: PeerPayloads, info: StepInfo) -> None:
-        self.info = info
-        self.payloads = payloads
+    def __init__(self, src_rank: int, transport: Transport, payloads: PeerPayloads) -> None:
         self.src_rank = src_rank
-        self.group = group
-        self.device = device
-        self.rank = rank
-        self.kinds = kinds
+        self.transport = transport
+        self.kinds, self.info, self.device = transport.kinds, transport.info, transport.device
+        self.payloads = payloads
         self.remaining: Optional[int] = 0  # messages still expected this step (None: unknown)
         self._meta: Dict[Tuple[int, str], Meta] = {}
         self._posted: Optional[Tuple[Any, torch.Tensor, Optional[Tuple[Any, torch.Tensor]]]] = None
@@ -256,7 +262,7 @@ class Inbox:
         self._posted = (work, buffer, early)
 
     def _post(self, buffer: torch.Tensor, tag: int) -> Any:
-        return dist.irecv(buffer, self.src_rank, group=self.group, tag=tag)
+        return dist.irecv(buffer, self.src_rank, group=self.transport.group, tag=tag)
 
     def _recv(self, buffer: torch.Tensor, tag: int, timeout: float) -> None:
         self._post(buffer, tag).wait(datetime.timedelta(seconds=timeout))
