@@ -169,22 +169,27 @@ class DistributedPipe(nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """Where this rank's layers run."""
         return self._device
 
     @property
     def chunks(self) -> int:
+        """Requested number of micro-batches per batch."""
         return self._chunks
 
     @property
     def schedule(self) -> str:
+        """The schedule's name; ``plan(m)`` gives the schedule itself."""
         return self._schedule_name
 
     @property
     def checkpoint(self) -> str:
+        """The checkpoint mode."""
         return self._checkpoint
 
     @property
     def virtual_stages(self) -> int:
+        """Model chunks per rank."""
         return self._virtual
 
     def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
