@@ -1,6 +1,6 @@
 """Train a small GPT with one pipeline stage per process.
 
-One machine, 2 CPU processes (gloo) or 2 GPUs (NCCL):
+One machine, 2 CPU processes (gloo):
 
     torchrun --nproc_per_node=2 examples/train_gpt.py --steps 30
 
@@ -16,7 +16,6 @@ start from given weights, ``pipe.load_state_dict`` a plain-model checkpoint).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -44,14 +43,10 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("gloo")  # DistributedPipe sends CPU tensors over gloo
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = world // args.data_parallel
-    pipeline_group, data_group = init_mesh(pipeline=stages, data=args.data_parallel,
-                                           device_type="cuda" if backend == "nccl" else "cpu")
+    pipeline_group, data_group = init_mesh(pipeline=stages, data=args.data_parallel)
     replica = rank // stages
     with torch.device("meta"):
         model = gpt(vocab=64, dim=args.dim, heads=4, layers=args.layers, max_len=args.seq)
@@ -64,7 +59,6 @@ def main() -> None:
     times = []
     for step in range(args.steps):
         ids, targets = counting_task(args.batch, args.seq, 64, generator)
-        ids, targets = ids.to(pipe.device), targets.to(pipe.device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = pipe.train_step(ids, targets, lm_loss)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -75,7 +74,8 @@ class DistributedPipe(nn.Module):
         process_group: the pipeline's ranks, in stage order (default: the whole world).
         data_parallel_group: the replicas of this rank's stage in other pipelines; their
             gradients are averaged (default: none).
-        device: where this rank's layers run (default: ``cuda:LOCAL_RANK`` under NCCL, else CPU).
+        device: where this rank's layers run: the CPU (the default, and for now the only
+            choice: messages go over gloo, see below).
         timeout: seconds any wait (a message, a send, a collective) may take before the step
             fails with an error naming the rank, the stage, the action and the micro-batch.
         deferred_batch_norm: as in ``Pipe``: running statistics over the whole mini-batch.
@@ -517,11 +517,19 @@ def _reset(module: nn.Module) -> None:
 
 
 def _resolve_device(device: Optional[Union[str, torch.device]], group: Any) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device("cpu")
+    """The rank's device; gloo process groups and CPU tensors only, for now."""
+    backend = dist.get_backend(group)
+    if backend != "gloo":
+        raise NotImplementedError(
+            f"DistributedPipe sends its messages over gloo only, for now; this process group "
+            f"uses {backend!r}. NCCL runs a pair of ranks' sends and receives on one stream, and "
+            f"this pipe's order (send when an action ends, receive when an action needs it) can "
+            f"deadlock there. Build the pipeline's group with backend='gloo'")
+    resolved = torch.device("cpu" if device is None else device)
+    if resolved.type != "cpu":
+        raise NotImplementedError(f"device={device!r}: DistributedPipe runs its stages on the "
+                                  f"CPU for now (gloo sends CPU tensors); use device='cpu'")
+    return resolved
 
 
 def _grad_sync(group: Optional[Any], board: Board, timeout: float) -> Optional[GradSync]:

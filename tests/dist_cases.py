@@ -252,6 +252,11 @@ def meta_and_factories() -> Dict:
     with torch.device("meta"):
         on_meta = model()
     factories = [lambda i=i: model()[i] for i in range(8)]
+    try:  # GPU stages are refused before anything is built
+        DistributedPipe(model(), chunks=2, device="cuda")
+        raise AssertionError("device='cuda' was accepted")
+    except NotImplementedError as error:
+        assert "device='cpu'" in str(error), error
     out = {}
     for label, source in (("meta", on_meta), ("factories", factories)):
         pipe = DistributedPipe(source, chunks=3, balance=[4, 4], timeout=30)

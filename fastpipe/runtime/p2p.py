@@ -1,4 +1,4 @@
-"""Point-to-point messages between pipeline ranks over ``torch.distributed`` (gloo or NCCL).
+"""Point-to-point messages between pipeline ranks over ``torch.distributed`` (gloo).
 
 Messages go between ranks in one order per (sender, receiver) pair: the order in which the
 sender's stage program produces them (activations, gradients, and the tensors and gradients of
@@ -24,8 +24,7 @@ from .mailbox import Mailbox
 from .wire import HEADER_LEN, Header, Meta, layouts_of, pack, unpack
 
 # fastpipe's tags, apart from a user's own small ones: headers, metadata, payloads. Each is a
-# first-in first-out stream per pair of ranks (gloo matches by tag; NCCL ignores tags, and then
-# the strict header, metadata, payload order of a message keeps the streams matched).
+# first-in first-out stream per pair of ranks (gloo matches receives to sends by tag, in order).
 HEADER_TAG, META_TAG, PAYLOAD_TAG = 0x3F00, 0x3F01, 0x3F02
 Key = Tuple[Any, ...]  # a mailbox key: ("act", mb), ("grad", mb), ("skip", name, mb), ...
 
@@ -199,8 +198,8 @@ class Inbox:
 
     The next header's receive (and, on gloo, its payload's) is always posted ahead, so the data
     lands while this rank computes, and a wait for it costs nothing when it is already there;
-    there is no receiving thread to wake. One order per peer is what gloo and NCCL (which ignores
-    tags) both guarantee. The metadata cache lives across steps, as the sender's does.
+    there is no receiving thread to wake. The metadata cache lives across steps, as the
+    sender's does.
     """
 
     def __init__(self, src_rank: int, transport: Transport, payloads: PeerPayloads) -> None:
@@ -295,11 +294,7 @@ class Inbox:
                 self._recv(buffer, PAYLOAD_TAG, timeout)
         self.payloads.last[self.src_rank] = n
         key = self.kinds.key(kind, header.microbatch)
-        message = from_meta(meta, unpack(buffer, meta.layouts))
-        if buffer.is_cuda:  # the stage's stream waits for the receive (``hop.land``)
-            message.parcel.event = torch.cuda.Event()
-            message.parcel.event.record()
-        return key, message
+        return key, from_meta(meta, unpack(buffer, meta.layouts))
 
 
 def send_failure(rank: int, group: Any, device: torch.device, reason: str,
