@@ -43,6 +43,18 @@ def _cuda_toolchain_problem() -> str | None:
     return None
 
 
+def _openmp_flags() -> list[str]:
+    """-fopenmp when torch runs intra-op work on OpenMP (Linux): at::parallel_for is inline in
+    the headers and, compiled without it, runs every parallel loop on one thread."""
+    import sys
+
+    import torch
+
+    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+        return ["-fopenmp"]  # links the libgomp torch has already loaded (same soname)
+    return []
+
+
 def _want_cuda() -> bool:
     """Decides between the CPU-only and the CUDA build (see module docstring)."""
     forced = _flag("FASTPIPE_BUILD_CUDA")
@@ -66,15 +78,19 @@ def _native_build() -> dict:
     )
 
     sources = ["csrc/fastpipe.cpp", *_sources("csrc/cpu/*.cpp")]
+    openmp = _openmp_flags()
     if _want_cuda():
         ext = CUDAExtension(
             "fastpipe._C",
             sources + _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp"),
             define_macros=[("FASTPIPE_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+            extra_compile_args={"cxx": CXX_FLAGS + openmp, "nvcc": NVCC_FLAGS},
+            extra_link_args=openmp,
         )
     else:
-        ext = CppExtension("fastpipe._C", sources, extra_compile_args={"cxx": CXX_FLAGS})
+        ext = CppExtension(
+            "fastpipe._C", sources, extra_compile_args={"cxx": CXX_FLAGS + openmp},
+            extra_link_args=openmp)
     build_ext = BuildExtension.with_options(use_ninja=is_ninja_available())
     return {"ext_modules": [ext], "cmdclass": {"build_ext": build_ext}}
 

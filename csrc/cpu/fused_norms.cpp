@@ -1,6 +1,9 @@
 // CPU kernels of the fused normalisations over the last dimension: RMSNorm and
 // LayerNorm. Backward takes the saved input (not the output, mean or rstd) and
 // recomputes the row statistics, which costs one extra pass over a row.
+//
+// float, bfloat16 and half run the SIMD row kernels below in float (reduced-precision rows
+// through per-thread float buffers); float64 runs plain scalar loops.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -8,9 +11,11 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "fused_common.h"
+#include "fused_simd.h"
 
 namespace fastpipe {
 namespace {
@@ -23,6 +28,133 @@ void check_norm_input(const at::Tensor& x, const at::Tensor& weight, double eps,
   fused::check_vector(weight, x.size(-1), x.scalar_type(), op, "weight");
   TORCH_CHECK(eps >= 0.0, "fastpipe::", op, ": eps must be non-negative, got ", eps);
 }
+
+// --- SIMD row kernels (float) ---------------------------------------------------------------
+
+using simd::kWidth;
+using simd::vf;
+
+struct Stats {
+  float mean; // 0 for RMSNorm
+  float rstd;
+};
+
+// Sum over [0, n) of term(j, m) (a vector of the m <= kWidth values from j, padded with
+// zeros), with four vector accumulators in a fixed order: several loads in flight, and a
+// result that does not depend on the data's alignment or on threading.
+template <typename Term>
+FASTPIPE_INLINE float vsum(int64_t n, const Term& term) {
+  vf a0{}, a1{}, a2{}, a3{};
+  int64_t j = 0;
+  for (; j + 4 * kWidth <= n; j += 4 * kWidth) {
+    a0 += term(j, kWidth);
+    a1 += term(j + kWidth, kWidth);
+    a2 += term(j + 2 * kWidth, kWidth);
+    a3 += term(j + 3 * kWidth, kWidth);
+  }
+  for (; j < n; j += kWidth) {
+    a0 += term(j, std::min(kWidth, n - j));
+  }
+  return simd::hsum((a0 + a1) + (a2 + a3));
+}
+
+// Mean (when Centre) and reciprocal standard deviation of one row.
+template <bool Centre>
+FASTPIPE_INLINE Stats simd_row_stats(const float* x, int64_t n, float eps) {
+  float mean = 0.0f;
+  if (Centre) {
+    mean = vsum(n, [&](int64_t j, int64_t m) __attribute__((always_inline)) {
+      return simd::load(x + j, m);
+    }) / float(n);
+  }
+  const float var = vsum(n, [&](int64_t j, int64_t m) __attribute__((always_inline)) {
+    const vf d = simd::load(x + j, m, mean) - mean; // padding adds 0
+    return d * d;
+  }) / float(n);
+  return {mean, 1.0f / std::sqrt(var + eps)};
+}
+
+template <bool Centre>
+FASTPIPE_INLINE void simd_forward_rows(
+    const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * n;
+    const Stats st = simd_row_stats<Centre>(row, n, eps);
+    for (int64_t j = 0; j < n; j += kWidth) {
+      const int64_t m = std::min(kWidth, n - j);
+      vf v = (simd::load(row + j, m) - st.mean) * st.rstd * simd::load(w + j, m);
+      if (Centre) {
+        v += simd::load(b + j, m);
+      }
+      simd::store(y + r * n + j, v, m);
+    }
+  }
+}
+
+// y = (x - mean) * rstd * w (+ b) for `rows` rows; LayerNorm (with b) when centre.
+FASTPIPE_SIMD_CLONES void norm_forward_rows(
+    const float* x, const float* w, const float* b, float* y, int64_t rows, int64_t n, float eps,
+    bool centre) {
+  if (centre) {
+    simd_forward_rows<true>(x, w, b, y, rows, n, eps);
+  } else {
+    simd_forward_rows<false>(x, w, nullptr, y, rows, n, eps);
+  }
+}
+
+template <bool Centre>
+FASTPIPE_INLINE void simd_backward_rows(
+    const float* g, const float* x, const float* w, float* gx, float* pw, float* pb, int64_t rows,
+    int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    const float* gr = g + r * n;
+    const Stats st = simd_row_stats<Centre>(xr, n, eps);
+    // dy = g * w (0 in the padding); xhat = (x - mean) * rstd
+    const float mean_dy_xhat = vsum(n, [&](int64_t j, int64_t m) __attribute__((always_inline)) {
+      const vf xhat = (simd::load(xr + j, m, st.mean) - st.mean) * st.rstd;
+      return simd::load(gr + j, m) * simd::load(w + j, m) * xhat;
+    }) / float(n);
+    const float mean_dy = !Centre ? 0.0f : vsum(n, [&](int64_t j, int64_t m) __attribute__((always_inline)) {
+      return simd::load(gr + j, m) * simd::load(w + j, m);
+    }) / float(n);
+    for (int64_t j = 0; j < n; j += kWidth) {
+      const int64_t m = std::min(kWidth, n - j);
+      __builtin_prefetch(xr + n + j); // the next row, one cache line per step
+      __builtin_prefetch(gr + n + j);
+      const vf xhat = (simd::load(xr + j, m) - st.mean) * st.rstd;
+      const vf gv = simd::load(gr + j, m);
+      const vf dy = gv * simd::load(w + j, m);
+      simd::store(gx + r * n + j, st.rstd * (dy - mean_dy - xhat * mean_dy_xhat), m);
+      simd::store(pw + j, simd::load(pw + j, m) + gv * xhat, m);
+      if (Centre) {
+        simd::store(pb + j, simd::load(pb + j, m) + gv, m);
+      }
+    }
+  }
+}
+
+// Input gradient of `rows` rows; their weight (and, when centre, bias) gradients added to
+// pw (and pb).
+FASTPIPE_SIMD_CLONES void norm_backward_rows(
+    const float* g, const float* x, const float* w, float* gx, float* pw, float* pb, int64_t rows,
+    int64_t n, float eps, bool centre) {
+  if (centre) {
+    simd_backward_rows<true>(g, x, w, gx, pw, pb, rows, n, eps);
+  } else {
+    simd_backward_rows<false>(g, x, w, gx, pw, nullptr, rows, n, eps);
+  }
+}
+
+// Copies `n` values converted to To.
+template <typename To, typename From>
+void convert(const From* from, To* to, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    to[j] = static_cast<To>(from[j]);
+  }
+}
+
+// --- float64: scalar loops ------------------------------------------------------------------
 
 // Row statistics: mean (0 for RMSNorm) and reciprocal standard deviation.
 template <typename scalar_t, typename acc_t>
@@ -40,7 +172,7 @@ inline std::pair<acc_t, acc_t> row_stats(const scalar_t* x, int64_t n, acc_t eps
 
 // y = (x - mean) * rstd * weight (+ bias), rows in parallel.
 template <typename scalar_t>
-void norm_forward(
+void norm_forward_scalar(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, double eps,
     at::Tensor& out) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -61,6 +193,91 @@ void norm_forward(
       }
     }
   });
+}
+
+// Input gradient of rows [begin, end), their weight (and bias) gradients added to pw (and pb).
+template <typename scalar_t, typename acc_t>
+void norm_backward_scalar_rows(
+    const scalar_t* xp, const scalar_t* gp, const scalar_t* wp, scalar_t* gxp, acc_t* pw,
+    acc_t* pb, int64_t begin, int64_t end, int64_t n, double eps, bool centre) {
+  for (int64_t r = begin; r < end; ++r) {
+    const scalar_t* row = xp + r * n;
+    const scalar_t* g = gp + r * n;
+    const std::pair<acc_t, acc_t> stats = row_stats<scalar_t, acc_t>(row, n, acc_t(eps), centre);
+    const acc_t mean = stats.first;
+    const acc_t rstd = stats.second;
+    // dy = g * w; xhat = (x - mean) * rstd
+    const acc_t mean_dy_xhat = lane_sum<acc_t>(n, [&](int64_t j) {
+      return acc_t(g[j]) * acc_t(wp[j]) * (acc_t(row[j]) - mean) * rstd;
+    }) / acc_t(n);
+    const acc_t mean_dy = centre
+        ? lane_sum<acc_t>(n, [&](int64_t j) { return acc_t(g[j]) * acc_t(wp[j]); }) / acc_t(n)
+        : acc_t(0);
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t xhat = (acc_t(row[j]) - mean) * rstd;
+      const acc_t dy = acc_t(g[j]) * acc_t(wp[j]);
+      gxp[r * n + j] = scalar_t(rstd * (dy - mean_dy - xhat * mean_dy_xhat));
+      pw[j] += acc_t(g[j]) * xhat;
+      if (pb) {
+        pb[j] += acc_t(g[j]);
+      }
+    }
+  }
+}
+
+// --- drivers --------------------------------------------------------------------------------
+
+// Forward of every row, in parallel: float64 scalar, the rest through the float SIMD kernel.
+template <typename scalar_t>
+void norm_forward(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, double eps,
+    at::Tensor& out) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    norm_forward_scalar<double>(x, weight, bias, eps, out);
+  } else {
+    const int64_t n = x.size(-1);
+    const at::Tensor w = weight.to(at::kFloat);
+    const at::Tensor b = bias ? bias->to(at::kFloat) : at::Tensor();
+    const float* wp = w.const_data_ptr<float>();
+    const float* bp = bias ? b.const_data_ptr<float>() : nullptr;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const float feps = static_cast<float>(eps);
+    at::parallel_for(0, fused::rows_of(x), fused::row_grain(n), [&](int64_t begin, int64_t end) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        norm_forward_rows(xp + begin * n, wp, bp, op + begin * n, end - begin, n, feps, bias != nullptr);
+      } else {
+        std::vector<float> xrow(n), yrow(n);
+        for (int64_t r = begin; r < end; ++r) {
+          convert(xp + r * n, xrow.data(), n);
+          norm_forward_rows(xrow.data(), wp, bp, yrow.data(), 1, n, feps, bias != nullptr);
+          convert(yrow.data(), op + r * n, n);
+        }
+      }
+    });
+  }
+}
+
+// Input gradients of rows [begin, end), their weight (and bias) gradients added to pw (and pb).
+template <typename scalar_t, typename acc_t>
+void norm_backward_block(
+    const scalar_t* xp, const scalar_t* gp, const scalar_t* wp, const float* wf, scalar_t* gxp,
+    acc_t* pw, acc_t* pb, int64_t begin, int64_t end, int64_t n, double eps, bool centre) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    norm_backward_scalar_rows<double, double>(xp, gp, wp, gxp, pw, pb, begin, end, n, eps, centre);
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    norm_backward_rows(gp + begin * n, xp + begin * n, wf, gxp + begin * n, pw, pb, end - begin, n,
+                       static_cast<float>(eps), centre);
+  } else {
+    std::vector<float> xrow(n), grow(n), gxrow(n);
+    for (int64_t r = begin; r < end; ++r) {
+      convert(xp + r * n, xrow.data(), n);
+      convert(gp + r * n, grow.data(), n);
+      norm_backward_rows(grow.data(), xrow.data(), wf, gxrow.data(), pw, pb, 1, n,
+                         static_cast<float>(eps), centre);
+      convert(gxrow.data(), gxp + r * n, n);
+    }
+  }
 }
 
 // out[j] = sum over blocks of partial[block * n + j], in block order.
@@ -89,6 +306,8 @@ void norm_backward(
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
   std::vector<acc_t> partial_w(blocks * n, acc_t(0));
   std::vector<acc_t> partial_b(grad_b ? blocks * n : 0, acc_t(0));
+  const at::Tensor w_float = weight.to(at::kFloat);
+  const float* wf = w_float.const_data_ptr<float>();
   const scalar_t* xp = x.const_data_ptr<scalar_t>();
   const scalar_t* gp = grad.const_data_ptr<scalar_t>();
   const scalar_t* wp = weight.const_data_ptr<scalar_t>();
@@ -97,29 +316,9 @@ void norm_backward(
     for (int64_t block = block_begin; block < block_end; ++block) {
       acc_t* pw = partial_w.data() + block * n;
       acc_t* pb = grad_b ? partial_b.data() + block * n : nullptr;
-      for (int64_t r = rows * block / blocks; r < rows * (block + 1) / blocks; ++r) {
-        const scalar_t* row = xp + r * n;
-        const scalar_t* g = gp + r * n;
-        const std::pair<acc_t, acc_t> stats = row_stats<scalar_t, acc_t>(row, n, acc_t(eps), centre);
-        const acc_t mean = stats.first;
-        const acc_t rstd = stats.second;
-        // dy = g * w; xhat = (x - mean) * rstd
-        const acc_t mean_dy_xhat = lane_sum<acc_t>(n, [&](int64_t j) {
-          return acc_t(g[j]) * acc_t(wp[j]) * (acc_t(row[j]) - mean) * rstd;
-        }) / acc_t(n);
-        const acc_t mean_dy = centre
-            ? lane_sum<acc_t>(n, [&](int64_t j) { return acc_t(g[j]) * acc_t(wp[j]); }) / acc_t(n)
-            : acc_t(0);
-        for (int64_t j = 0; j < n; ++j) {
-          const acc_t xhat = (acc_t(row[j]) - mean) * rstd;
-          const acc_t dy = acc_t(g[j]) * acc_t(wp[j]);
-          gxp[r * n + j] = scalar_t(rstd * (dy - mean_dy - xhat * mean_dy_xhat));
-          pw[j] += acc_t(g[j]) * xhat;
-          if (pb) {
-            pb[j] += acc_t(g[j]);
-          }
-        }
-      }
+      norm_backward_block<scalar_t, acc_t>(
+          xp, gp, wp, wf, gxp, pw, pb, rows * block / blocks, rows * (block + 1) / blocks, n, eps,
+          centre);
     }
   });
   reduce_blocks<scalar_t>(partial_w, blocks, n, grad_w);
