@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import amp, batchnorm, microbatch, tied as tied_weights
+from .runtime import adaptive
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .errors import PipelineAborted, PipelineError
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
@@ -64,12 +66,16 @@ class DistributedPipe(nn.Module):
             each rank then materialises only its own layers, with ``to_empty`` and the layers'
             ``reset_parameters``), or a list of zero-argument functions that each build one
             layer, so a rank builds only the layers it keeps.
-        chunks: micro-batches per batch (``torch.chunk`` semantics, as in ``Pipe``).
+        chunks: micro-batches per batch (``torch.chunk`` semantics, as in ``Pipe``), or
+            ``'auto'``: the rank of the first stage searches the count with the best measured
+            step throughput (``fastpipe.runtime.adaptive``); the others follow the count each
+            step's first message announces.
         schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
             ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``).
         balance: layers per virtual stage in model order (``ranks * virtual_stages`` entries);
             default: by parameter count for an ``nn.Sequential``, by layer count for factories.
-        checkpoint: ``'never'``, ``'except_last'`` or ``'always'``.
+        checkpoint: a checkpoint mode of ``Pipe`` (``'never'``, ``'except_last'``,
+            ``'always'``, ``'selective'``, ``'offload'``).
         virtual_stages: model chunks per rank (interleaved and V-shaped schedules).
         process_group: the pipeline's ranks, in stage order (default: the whole world).
         data_parallel_group: the replicas of this rank's stage in other pipelines; their
@@ -100,12 +106,11 @@ class DistributedPipe(nn.Module):
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
         layers = _check_layers(module)
-        if chunks == "auto":
-            raise ValueError("chunks='auto' is only available in fastpipe.Pipe; give "
-                             "DistributedPipe a number of micro-batches")
+        self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
         deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
         tie_groups = _check_tied(module, tied)
-        self._chunks = check_chunks(chunks)
+        self._chunks = 1 if self._auto_chunks else check_chunks(chunks)
+        self.chunk_search: Optional[adaptive.ChunkSearch] = None  # chunks='auto', first rank
         self._checkpoint = check_mode(checkpoint)
         self._timeout = check_timeout(timeout)
         self._virtual = check_virtual_stages(virtual_stages)
@@ -115,6 +120,8 @@ class DistributedPipe(nn.Module):
         p, v = len(ranks), self._virtual
         self._balance = tuple(_balance(module, layers, balance, p * v))
         skips = _skip_plans(module, self._balance)
+        if self._auto_chunks:
+            self._chunks = adaptive.first_count(p, self._accepts)
         plan = self.plan(self._chunks)  # raises for a schedule that cannot run this layout
         rank = dist.get_rank()
         stage = ranks.index(rank)
@@ -260,6 +267,7 @@ class DistributedPipe(nn.Module):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'")
         last = len(self._stages) - 1
         has_targets = self._topology.local(last)
+        start = time.perf_counter()
         sizes = self._local_sizes(inputs, targets if has_targets else None, has_targets)
         step = self._new_step(inputs if self._topology.local(0) else None, train=True,
                               targets=targets if has_targets else None, loss_fn=loss_fn,
@@ -275,6 +283,8 @@ class DistributedPipe(nn.Module):
                                                    schedule)
         self._run(schedule.actions, step, schedule)
         loss = self._step_loss(step, len(sizes))
+        if self.chunk_search is not None and self.chunk_search.chosen is None:
+            self.chunk_search.record(len(sizes), total, time.perf_counter() - start)
         if self._sync is not None:
             self._sync.finish()
         self._tied.sum_gradients()
@@ -309,18 +319,40 @@ class DistributedPipe(nn.Module):
             if inputs is None:
                 raise ValueError(f"inputs is None on rank {self._topology.rank}, which holds the "
                                  f"first stage: pass the batch on this rank")
-            sizes = microbatch.split_sizes(microbatch.batch_size(inputs, argument="inputs"),
-                                           self._chunks)
+            total = microbatch.batch_size(inputs, argument="inputs")
+            sizes = microbatch.split_sizes(total, self._step_chunks(total))
         if targets is not None:
             total = microbatch.batch_size(targets, argument="targets")
             if sizes is not None and sum(sizes) != total:
                 raise ValueError(f"targets has batch size {total} but inputs has {sum(sizes)}; "
                                  f"give one target per input sample")
-            sizes = microbatch.split_sizes(total, self._chunks, argument="targets")
+            sizes = microbatch.split_sizes(total, self._step_chunks(total), argument="targets")
         elif need_targets:
             raise ValueError(f"targets is None on rank {self._topology.rank}, which holds the "
                              f"last stage: pass the targets on this rank")
         return sizes
+
+    def _accepts(self, num_microbatches: int) -> bool:
+        """Whether the schedule can run ``num_microbatches``."""
+        try:
+            self.plan(num_microbatches)
+        except ValueError:
+            return False
+        return True
+
+    def _step_chunks(self, total: int) -> int:
+        """The micro-batch count this rank splits a batch of ``total`` into: ``chunks``, or
+        with ``chunks='auto'`` on the first stage's rank, the search's next count (the other
+        ranks take the count from the step's first message)."""
+        if not self._auto_chunks or not self._topology.local(0):
+            return min(self._chunks, total) if self._auto_chunks else self._chunks
+        if self.chunk_search is None:
+            p = dist.get_world_size(self._group)
+            self.chunk_search = adaptive.ChunkSearch(
+                adaptive.candidate_counts(p, total), self._chunks,
+                lambda m: self._accepts(len(microbatch.split_sizes(total, m))))
+        self._chunks = min(self.chunk_search.next(), total)
+        return self._chunks
 
     def _new_step(self, inputs: Any, *, train: bool, **kwargs: Any) -> StepState:
         for k in self._local:
@@ -349,17 +381,21 @@ class DistributedPipe(nn.Module):
         if entry > 0:
             learned_from = self._topology.owner[entry - 1]
             header = self._executor.learn_microbatches(learned_from, step)
-            learned = microbatch.split_sizes(header.batch_size, self._chunks)
-            if len(learned) != header.num_microbatches:
+            learned = microbatch.split_sizes(header.batch_size, header.num_microbatches)
+            if not self._auto_chunks and learned != microbatch.split_sizes(header.batch_size,
+                                                                            self._chunks):
+                mine = len(microbatch.split_sizes(header.batch_size, self._chunks))
                 raise RuntimeError(f"rank {learned_from} split a batch of {header.batch_size} "
                                    f"into {header.num_microbatches} micro-batches but this rank "
-                                   f"into {len(learned)}: build the pipes with the same chunks "
-                                   f"on every rank")
+                                   f"into {mine}: build the pipes with the same chunks on every "
+                                   f"rank")
             if sizes is not None and sum(sizes) != header.batch_size:
                 raise ValueError(f"targets on rank {self._topology.rank} have batch size "
                                  f"{sum(sizes)} but the inputs on rank {self._topology.owner[0]} "
                                  f"have {header.batch_size}; give one target per input sample")
             sizes = learned
+            if self._auto_chunks:
+                self._chunks = header.num_microbatches
         assert sizes is not None
         m = len(sizes)
         self._executor.info.step, self._executor.info.num_microbatches = self._steps, m

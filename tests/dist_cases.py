@@ -230,6 +230,24 @@ def checkpoint_across_layouts() -> Dict:
     return {"keys": len(merged)}
 
 
+def auto_chunks(steps: int = 8) -> Dict:
+    """chunks='auto': the first rank searches, every rank follows the count it announces, and
+    every step is exact whatever its count."""
+    plain = model()
+    pipe = DistributedPipe(model(), chunks="auto", schedule="1f1b", timeout=30)
+    counts = []
+    for step in range(steps):
+        x, y = data(16, seed=step)
+        ref_loss, ref = reference_grads(plain, x, y)
+        pipe.zero_grad(set_to_none=True)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        check_grads(pipe, ref, f"auto chunks step {step} ({pipe.chunks} micro-batches)")
+        counts.append(pipe.chunks)
+    search = pipe.chunk_search
+    return {"counts": counts, "chosen": None if search is None else search.chosen}
+
+
 def boundary_mismatch() -> Dict:
     """A stage whose input does not fit what the previous stage sends fails at the first step,
     on every rank, naming the rank, the stage, the action and the micro-batch."""
@@ -467,6 +485,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
+                                 auto_chunks,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
                                  skip_connections, several)}

@@ -45,16 +45,21 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
 
 def test_training_features_across_processes():
     """Tied weights, deferred batch norm, a GradScaler skipping an inf step everywhere, bf16
-    autocast on every rank."""
+    autocast on every rank, chunks='auto'."""
     results = assert_all_ok(launch("several", 2, limit=180, args={"cases": [
         ["tied_weights", {"schedule": "1f1b"}], ["tied_weights", {"schedule": "zb-h1"}],
-        ["deferred_batch_norm", {}], ["grad_scaler", {}], ["autocast_bf16", {}]]}))
+        ["deferred_batch_norm", {}], ["grad_scaler", {}], ["autocast_bf16", {}],
+        ["auto_chunks", {}]]}))
     assert "0.0.weight" in results[0]["tied_weights"]["names"]
     assert "7.weight" in results[1]["tied_weights"]["names"]  # the last rank's copy
     assert results[1]["deferred_batch_norm"]["buffers"] == [
         "3.running_mean", "3.running_var", "3.num_batches_tracked"]
     for r in results:  # the inf gradient was on the last rank only; both ranks skipped
         assert r["grad_scaler"] == {"unchanged": True, "scale": 128.0}
+    # chunks='auto': the first rank searched and settled; the other followed every step's count
+    auto = [r["auto_chunks"] for r in results]
+    assert auto[0]["chosen"] is not None and auto[1]["chosen"] is None
+    assert auto[0]["counts"] == auto[1]["counts"] and len(set(auto[0]["counts"])) > 1
 
 
 def test_four_ranks_every_schedule_and_skips_across_ranks():
