@@ -334,11 +334,7 @@ class DistributedPipe(nn.Module):
 
     def _accepts(self, num_microbatches: int) -> bool:
         """Whether the schedule can run ``num_microbatches``."""
-        try:
-            self.plan(num_microbatches)
-        except ValueError:
-            return False
-        return True
+        return adaptive.accepted(self.plan, num_microbatches)
 
     def _step_chunks(self, total: int) -> int:
         """The micro-batch count this rank splits a batch of ``total`` into: ``chunks``, or

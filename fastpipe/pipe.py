@@ -282,12 +282,8 @@ class Pipe(nn.Module):
                 m.training = training
 
     def _accepts(self, num_microbatches: int) -> bool:
-        """Whether the pipe's schedule can run ``num_microbatches``."""
-        try:
-            self.plan(num_microbatches)
-        except ValueError:
-            return False
-        return True
+        """Whether the schedule can run ``num_microbatches``."""
+        return adaptive.accepted(self.plan, num_microbatches)
 
     def _step_chunks(self, total: int) -> int:
         """The micro-batch count of the next training step; ``chunks='auto'`` searches it."""

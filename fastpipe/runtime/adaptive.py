@@ -32,6 +32,16 @@ def candidate_counts(num_stages: int, batch_size: int) -> List[int]:
     return sorted(c for c in counts if c <= batch_size)
 
 
+def accepted(plan: Callable[[int], object], count: int) -> bool:
+    """Whether ``plan(count)`` (a front door's ``plan``) makes a schedule for ``count``
+    micro-batches rather than raising ``ValueError``."""
+    try:
+        plan(count)
+    except ValueError:
+        return False
+    return True
+
+
 def first_count(num_stages: int, valid: Callable[[int], bool]) -> int:
     """The count to start from: twice the stage count (bubble about a third), or the nearest
     smaller count the schedule accepts."""
