@@ -16,6 +16,7 @@ start from given weights, ``pipe.load_state_dict`` a plain-model checkpoint).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from fastpipe.distributed import DistributedPipe, init_mesh
 from fastpipe.models import counting_task, gpt, lm_loss
+from fastpipe.schedule import render
 
 
 def parse() -> argparse.Namespace:
@@ -38,6 +40,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--data-parallel", type=int, default=1,
                         help="pipelines side by side (world size = stages x this)")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--trace", default=None, metavar="FILE.json",
+                        help="trace the last step: print its timeline (rank 0) and write it as "
+                             "Chrome/Perfetto trace JSON")
     return parser.parse_args()
 
 
@@ -61,11 +66,16 @@ def main() -> None:
         ids, targets = counting_task(args.batch, args.seq, 64, generator)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = pipe.train_step(ids, targets, lm_loss)
+        traced = args.trace is not None and step == args.steps - 1
+        with pipe.trace() if traced else contextlib.nullcontext() as t:
+            loss = pipe.train_step(ids, targets, lm_loss)
         optimizer.step()
         times.append(time.perf_counter() - start)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item():.3f}  {times[-1] * 1e3:.1f} ms", flush=True)
+    if rank == 0 and args.trace is not None:
+        print(render.ascii(t.timeline, width=90))
+        render.write_chrome_trace(t.timeline, args.trace)
     if rank == 0:
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
         print(f"{world} ranks ({stages} stages x {args.data_parallel} replicas), schedule "

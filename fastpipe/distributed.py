@@ -13,11 +13,12 @@ averaged across replicas, each stage's as soon as its last backward of the step 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ from .runtime.stage import Stage
 from .runtime.stash import step_optimizer
 from .runtime.step import StepState
 from .runtime.tied_sync import TiedSync
+from .runtime.trace import StepRecorder, Trace
+from .schedule.timeline import Timeline
 from .schedule import Schedule
 from .skip import exchange as skip_exchange, layout as skip_layout
 from .skip.api import declaration
@@ -160,6 +163,7 @@ class DistributedPipe(nn.Module):
         self._tied.broadcast_initial()
         self._data_group = data_parallel_group
         self._steps = 0
+        self._trace: Optional[Trace] = None
         self._broken: Optional[str] = None
         self._last_actions: Dict[Any, int] = {}
 
@@ -297,8 +301,37 @@ class DistributedPipe(nn.Module):
     def _run(self, programs: Any, step: StepState, schedule: Schedule) -> None:
         local = [self._stages[k] for k in self._local]
         batchnorm.discard(local)
+        if self._trace is not None:
+            step.recorder = StepRecorder(dist.get_world_size(self._group))
         self._executor.run(programs, step, schedule)
         batchnorm.commit(local)
+        if self._trace is not None:
+            self._trace.timelines.append(self._gather_timeline(step.recorder))
+
+    @contextlib.contextmanager
+    def trace(self) -> Iterator[Trace]:
+        """Record when every action of every rank started and ended, for the steps run inside
+        the block (every rank must enter it): ``t.timeline`` is the whole pipeline's measured
+        timeline, on every rank (see ``Pipe.trace``). Ranks on one machine share a clock; across
+        machines the lanes are aligned only as well as the machines' clocks are."""
+        trace = Trace()
+        self._trace = trace
+        try:
+            yield trace
+        finally:
+            self._trace = None
+
+    def _gather_timeline(self, recorder: StepRecorder) -> Any:
+        """Every rank's (start, end) of its actions, on one clock (a collective over the
+        pipeline group, bounded by the process group's timeout)."""
+        mine = (recorder.origin, list(recorder.intervals))  # CPU stages: no events pending
+        parts: List[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(parts, mine, group=self._group)
+        origin = min(o for o, _ in parts)
+        intervals = [(stage, action, start + o - origin, end + o - origin)
+                     for o, rows in parts for stage, action, start, end in rows]
+        return Timeline.from_intervals(recorder.num_stages, intervals, source="measured",
+                                       unit="s")
 
     def _forward(self, inputs: Any) -> Optional[Any]:
         sizes = self._local_sizes(inputs, None, False)

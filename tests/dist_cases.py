@@ -248,6 +248,19 @@ def auto_chunks(steps: int = 8) -> Dict:
     return {"counts": counts, "chosen": None if search is None else search.chosen}
 
 
+def traced(schedule: str = "1f1b", v: int = 1) -> Dict:
+    """pipe.trace() gives every rank the whole pipeline's measured timeline."""
+    pipe = DistributedPipe(model(), chunks=4, schedule=schedule, virtual_stages=v, timeout=30)
+    x, y = data(8)
+    with pipe.trace() as t:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    timeline = t.timeline
+    per_stage = [sum(1 for e in timeline.events if e.stage == s)
+                 for s in range(dist.get_world_size())]
+    return {"per_stage": per_stage, "bubble": timeline.bubble_fraction,
+            "makespan": timeline.makespan}
+
+
 def boundary_mismatch() -> Dict:
     """A stage whose input does not fit what the previous stage sends fails at the first step,
     on every rank, naming the rank, the stage, the action and the micro-batch."""
@@ -485,7 +498,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
-                                 auto_chunks,
+                                 auto_chunks, traced,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
                                  skip_connections, several)}
