@@ -36,6 +36,7 @@ from .runtime.dist_executor import (DistributedExecutor, Topology, flows,
 from .runtime.grad_sync import GradSync
 from .runtime.p2p import Kinds, Link
 from .runtime.stage import Stage
+from .runtime import stash
 from .runtime.stash import step_optimizer
 from .runtime.step import StepState
 from .runtime.tied_sync import TiedSync
@@ -160,6 +161,9 @@ class DistributedPipe(nn.Module):
         self._sync = _grad_sync(data_parallel_group, self._board, self._timeout)
         self._tied = TiedSync(shared, owner, self._group, self._device, self._board,
                               self._timeout)
+        self._pipedream = (stash.PipeDream(stages) if self._schedule_name == "pipedream"
+                           else None)
+        _check_asynchronous(self._pipedream, data_parallel_group, self._tied)
         self._tied.broadcast_initial()
         self._data_group = data_parallel_group
         self._steps = 0
@@ -269,6 +273,8 @@ class DistributedPipe(nn.Module):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'")
+        stash.check_optimizer_argument(optimizer, self._pipedream is not None, scaler)
+        handlers = self._pipedream.handlers(optimizer) if self._pipedream is not None else None
         last = len(self._stages) - 1
         has_targets = self._topology.local(last)
         start = time.perf_counter()
@@ -283,6 +289,7 @@ class DistributedPipe(nn.Module):
                              else [1.0] * len(sizes))
         step.checkpoint_stop = checkpoint_stop(self._checkpoint, len(sizes))
         step.split = schedule.split_backwards
+        step.handlers = handlers
         self._last_actions = last_gradient_actions(schedule.actions[self._topology.stage],
                                                    schedule)
         self._run(schedule.actions, step, schedule)
@@ -292,7 +299,7 @@ class DistributedPipe(nn.Module):
         if self._sync is not None:
             self._sync.finish()
         self._tied.sum_gradients()
-        if optimizer is not None:
+        if optimizer is not None and self._pipedream is None:
             if scaler is not None:
                 amp.unscale_and_sync(scaler, optimizer, timeout=self._timeout)
             step_optimizer(optimizer, scaler)
@@ -505,10 +512,22 @@ def _check_schedule_name(name: Any) -> str:
     if name == "auto":
         raise ValueError("schedule='auto' is only available in fastpipe.Pipe; name a schedule "
                          "(e.g. '1f1b') for DistributedPipe")
-    if name == "pipedream":
-        raise NotImplementedError("asynchronous PipeDream runs in fastpipe.Pipe only (one "
-                                  "process); DistributedPipe takes the flushed schedules")
     return name  # other names are checked when the first plan is made
+
+
+def _check_asynchronous(pipedream: Optional[Any], data_group: Optional[Any],
+                        tied: TiedSync) -> None:
+    """PipeDream updates each stage inside the step: no cross-rank gradient sums then."""
+    if pipedream is None:
+        return
+    if data_group is not None and dist.get_world_size(data_group) > 1:
+        raise NotImplementedError("schedule='pipedream' with data_parallel_group is not "
+                                  "supported (its updates happen per micro-batch, inside the "
+                                  "step); use a flushed schedule such as '1f1b'")
+    if tied.shared:
+        raise NotImplementedError("schedule='pipedream' with weights tied across ranks is not "
+                                  "supported; untie them or use a flushed schedule such as "
+                                  "'1f1b'")
 
 
 def _check_tied(module: Any, tied: Sequence[Sequence[Any]]) -> List[List[str]]:

@@ -261,6 +261,28 @@ def traced(schedule: str = "1f1b", v: int = 1) -> Dict:
             "makespan": timeline.makespan}
 
 
+def pipedream(steps: int = 2) -> Dict:
+    """schedule='pipedream' across processes: each rank steps its stage per micro-batch with
+    the weight version that micro-batch's forward used; the parameters after each call equal
+    those of the one-process Pipe running the same schedule."""
+    local = fastpipe.Pipe(model(), chunks=4, balance=[4, 4], devices=["cpu", "cpu"],
+                          schedule="pipedream")
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+    pipe = DistributedPipe(model(), chunks=4, balance=[4, 4], schedule="pipedream", timeout=30)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x, y = data(8, seed=step)
+        expected = local.train_step(x, y, nn.functional.mse_loss, optimizer=local_opt)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss, optimizer=opt)
+        torch.testing.assert_close(loss, expected, **TOL)
+        after = dict(local.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p, after[name], **TOL,
+                                       msg=lambda m: f"pipedream step {step}, {name}: {m}")
+    start = dict(model().named_parameters())
+    return {"moved": all(not torch.equal(p, start[n]) for n, p in pipe.named_parameters())}
+
+
 def boundary_mismatch() -> Dict:
     """A stage whose input does not fit what the previous stage sends fails at the first step,
     on every rank, naming the rank, the stage, the action and the micro-batch."""
@@ -498,7 +520,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
-                                 auto_chunks, traced,
+                                 auto_chunks, traced, pipedream,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
                                  skip_connections, several)}

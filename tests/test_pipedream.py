@@ -135,11 +135,11 @@ def test_kept_versions_bounded_by_in_flight_micro_batches(vertical_sync):
     for _ in range(2):
         pipe.train_step(torch.randn(16, 8), torch.randn(16, 4), nn.MSELoss(), optimizer=opt)
     inflight = peak_inflight(pipe.plan(8))
-    peaks = [v.peak for v in pipe._pipedream.versions]
+    peaks = [v.peak for v in pipe._pipedream.versions.values()]
     # vertical sync also keeps the versions a downstream stage has moved past: at most p
     bound = [4] * 4 if vertical_sync else inflight
     assert all(1 <= p <= b for p, b in zip(peaks, bound)), (peaks, inflight)
-    assert [v.version for v in pipe._pipedream.versions] == [16] * 4
+    assert [v.version for v in pipe._pipedream.versions.values()] == [16] * 4
 
 
 def test_converges_on_a_regression_task():

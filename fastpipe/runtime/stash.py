@@ -119,7 +119,10 @@ class PipeDream:
     """The per-stage versions of a pipe and the F/B handlers that stash and update them."""
 
     def __init__(self, stages: Sequence[Any], vertical_sync: bool = False) -> None:
-        self.versions = [StageVersions(stage.module) for stage in stages]
+        # the stages this process holds (all of them in a Pipe, its own in a DistributedPipe)
+        self.versions: Dict[int, StageVersions] = {
+            stage.index: StageVersions(stage.module) for stage in stages
+            if getattr(stage, "module", None) is not None}
         self.vertical_sync = vertical_sync
         self.tags: Dict[int, int] = {}  # micro-batch -> stage 0's version at its forward
 
@@ -131,7 +134,7 @@ class PipeDream:
                                       "their own; LBFGS keeps one state for all of them: use an "
                                       "optimizer with per-parameter state (SGD, Adam, ...)")
         owners: Dict[int, int] = {}
-        for s, versions in enumerate(self.versions):
+        for s, versions in self.versions.items():
             for p in versions.parameters:
                 if id(p) in owners:
                     raise NotImplementedError(
@@ -147,9 +150,9 @@ class PipeDream:
     def handlers(self, optimizer: torch.optim.Optimizer) -> Dict[ActionKind, Handler]:
         """The F and B handlers of one ``train_step`` call."""
         self.check_optimizer(optimizer)
-        views = [stage_optimizer(optimizer, v.parameters) for v in self.versions]
+        views = {s: stage_optimizer(optimizer, v.parameters) for s, v in self.versions.items()}
         self.tags = {}
-        for versions in self.versions:  # nothing is in flight between calls
+        for versions in self.versions.values():  # nothing is in flight between calls
             versions.forwarded, versions.snapshots = set(), {}
 
         def forward(step: StepState, stage: Any, action: Action) -> None:
