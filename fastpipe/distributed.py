@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import amp, batchnorm, microbatch, tied as tied_weights
-from .runtime import adaptive
+from .runtime import adaptive, auto
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .errors import PipelineAborted, PipelineError
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
@@ -75,7 +75,10 @@ class DistributedPipe(nn.Module):
             step throughput (``fastpipe.runtime.adaptive``); the others follow the count each
             step's first message announces.
         schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
-            ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``).
+            ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``,
+            ``'pipedream'``), or ``'auto'``: the first training step runs 1F1B (looped BFS with
+            virtual stages) and is traced on every rank; every rank then ranks the same
+            gathered timeline with the simulator (as ``Pipe`` does) and keeps the same choice.
         balance: layers per virtual stage in model order (``ranks * virtual_stages`` entries);
             default: by parameter count for an ``nn.Sequential``, by layer count for factories.
         checkpoint: a checkpoint mode of ``Pipe`` (``'never'``, ``'except_last'``,
@@ -118,7 +121,11 @@ class DistributedPipe(nn.Module):
         self._checkpoint = check_mode(checkpoint)
         self._timeout = check_timeout(timeout)
         self._virtual = check_virtual_stages(virtual_stages)
-        self._schedule_name = _check_schedule_name(schedule)
+        self._schedule_name = auto.check_name(schedule)
+        self._auto = self._schedule_name == "auto"
+        if self._auto:
+            self._schedule_name = auto.first_schedule(self._virtual)
+        self.auto_ranking: Optional[List[Any]] = None
         self._group = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(self._group)
         p, v = len(ranks), self._virtual
@@ -308,12 +315,20 @@ class DistributedPipe(nn.Module):
     def _run(self, programs: Any, step: StepState, schedule: Schedule) -> None:
         local = [self._stages[k] for k in self._local]
         batchnorm.discard(local)
-        if self._trace is not None:
+        choosing = self._auto and step.train
+        if self._trace is not None or choosing:
             step.recorder = StepRecorder(dist.get_world_size(self._group))
         self._executor.run(programs, step, schedule)
         batchnorm.commit(local)
-        if self._trace is not None:
-            self._trace.timelines.append(self._gather_timeline(step.recorder))
+        if step.recorder is not None:
+            timeline = self._gather_timeline(step.recorder)
+            if self._trace is not None:
+                self._trace.timelines.append(timeline)
+            if choosing:  # every rank ranks the same gathered timeline: the same choice
+                self.auto_ranking = auto.rank(timeline, schedule)
+                self._schedule_name, self._auto = self.auto_ranking[0].name, False
+                if self._topology.rank == min(self._topology.owner):
+                    auto.log_choice(self.auto_ranking)
 
     @contextlib.contextmanager
     def trace(self) -> Iterator[Trace]:
@@ -506,13 +521,6 @@ def _check_layers(module: Any) -> List[Any]:
         return list(module)
     raise TypeError(f"module must be an nn.Sequential or a list of functions that each build "
                     f"one layer, got {type(module).__name__}")
-
-
-def _check_schedule_name(name: Any) -> str:
-    if name == "auto":
-        raise ValueError("schedule='auto' is only available in fastpipe.Pipe; name a schedule "
-                         "(e.g. '1f1b') for DistributedPipe")
-    return name  # other names are checked when the first plan is made
 
 
 def _check_asynchronous(pipedream: Optional[Any], data_group: Optional[Any],

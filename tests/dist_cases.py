@@ -248,6 +248,23 @@ def auto_chunks(steps: int = 8) -> Dict:
     return {"counts": counts, "chosen": None if search is None else search.chosen}
 
 
+def auto_schedule(steps: int = 3) -> Dict:
+    """schedule='auto': the first step runs 1F1B, traced; every rank ranks the same gathered
+    timeline and keeps the same schedule; every step is exact."""
+    plain = model()
+    pipe = DistributedPipe(model(), chunks=4, schedule="auto", timeout=30)
+    names = []
+    for step in range(steps):
+        x, y = data(8, seed=step)
+        ref_loss, ref = reference_grads(plain, x, y)
+        pipe.zero_grad(set_to_none=True)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        check_grads(pipe, ref, f"auto schedule step {step} ({pipe.schedule})")
+        names.append(pipe.schedule)
+    return {"names": names, "ranked": [r.name for r in pipe.auto_ranking]}
+
+
 def traced(schedule: str = "1f1b", v: int = 1) -> Dict:
     """pipe.trace() gives every rank the whole pipeline's measured timeline."""
     pipe = DistributedPipe(model(), chunks=4, schedule=schedule, virtual_stages=v, timeout=30)
@@ -520,7 +537,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
-                                 auto_chunks, traced, pipedream,
+                                 auto_chunks, auto_schedule, traced, pipedream,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
                                  skip_connections, several)}

@@ -45,11 +45,12 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
 
 def test_training_features_across_processes():
     """Tied weights, deferred batch norm, a GradScaler skipping an inf step everywhere, bf16
-    autocast on every rank, chunks='auto', trace(), asynchronous PipeDream."""
+    autocast on every rank, chunks='auto', trace(), asynchronous PipeDream, schedule='auto'."""
     results = assert_all_ok(launch("several", 2, limit=180, args={"cases": [
         ["tied_weights", {"schedule": "1f1b"}], ["tied_weights", {"schedule": "zb-h1"}],
         ["deferred_batch_norm", {}], ["grad_scaler", {}], ["autocast_bf16", {}],
-        ["auto_chunks", {}], ["traced", {"schedule": "zbv", "v": 2}], ["pipedream", {}]]}))
+        ["auto_chunks", {}], ["traced", {"schedule": "zbv", "v": 2}], ["pipedream", {}],
+        ["auto_schedule", {}]]}))
     assert "0.0.weight" in results[0]["tied_weights"]["names"]
     assert "7.weight" in results[1]["tied_weights"]["names"]  # the last rank's copy
     assert results[1]["deferred_batch_norm"]["buffers"] == [
@@ -67,6 +68,9 @@ def test_training_features_across_processes():
     # pipedream: equal to the one-process Pipe after every call (checked on the ranks), and
     # every parameter moved
     assert all(r["pipedream"]["moved"] for r in results)
+    # schedule='auto': both ranks ranked the same gathered timeline and kept the same schedule
+    assert results[0]["auto_schedule"] == results[1]["auto_schedule"]
+    assert "auto" not in results[0]["auto_schedule"]["names"]
 
 
 def test_four_ranks_every_schedule_and_skips_across_ranks():
