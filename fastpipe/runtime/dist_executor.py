@@ -1,11 +1,12 @@
 """The distributed executor: one rank runs its own stage's program, messages go over p2p.
 
-It is the local executor with different wiring: the mailboxes of this rank's virtual stages are
-fed by :class:`~fastpipe.runtime.p2p.ChannelReceiver` threads (receives posted before the
-compute needs them), and the mailboxes of other ranks' stages are
-:class:`~fastpipe.runtime.p2p.Outbox` objects that send. The handlers (F, B, W) are the very same.
-While the step runs, the caller's thread watches the failure board, so a failure elsewhere
-stops this rank within a fraction of a second; every error names this rank.
+It is the local executor with different wiring: the mailboxes of other ranks' stages are
+:class:`~fastpipe.runtime.p2p.Outbox` objects that send, and when the next action lacks a
+message, the worker takes it (and any sent before it) from the sending peer's
+:class:`~fastpipe.runtime.p2p.Inbox`, whose receives are posted ahead of the compute. The
+handlers (F, B, W) are the very same. A failing rank sends its peers a failure notice and posts
+it on the failure board, which the caller's thread watches while the step runs; every error
+names this rank.
 """
 from __future__ import annotations
 
