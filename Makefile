@@ -53,6 +53,10 @@ bench: install
 	$(PY) benchmarks/cpu_concurrency.py
 	$(PY) benchmarks/schedules.py --png benchmarks/schedules.png
 	$(PY) benchmarks/simulator_scale.py
+	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/ops.py
+	$(PY) benchmarks/transfer.py
+	$(PY) benchmarks/offload.py
 
 clean:
 	rm -rf build $(VENV) *.egg-info fastpipe/_C*.so
