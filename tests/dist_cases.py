@@ -154,6 +154,15 @@ class Boom(nn.Module):
         return x
 
 
+class Hang(nn.Module):
+    """Stalls (longer than the pipe's timeout) on a micro-batch of one sample."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            time.sleep(8.0)
+        return x
+
+
 class Die(nn.Module):
     """Kills its process (no Python cleanup) when it sees a micro-batch of one sample."""
 
@@ -168,7 +177,7 @@ def failure(kind: str, failing_rank: int, timeout: float = 20.0, linger: float =
     well within ``timeout``. ``linger``: the failing rank stays alive that long after raising
     (its peers must not rely on its process exiting)."""
     layers = list(model(depth=6))
-    bad = Boom() if kind == "raise" else Die()
+    bad = {"raise": Boom, "die": Die, "hang": Hang}[kind]()
     per = len(layers) // dist.get_world_size()
     layers.insert(failing_rank * per + 1, bad)
     balance = [per] * dist.get_world_size()

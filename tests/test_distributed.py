@@ -146,3 +146,17 @@ def test_a_boundary_shape_mismatch_is_a_clear_error_at_the_first_step():
     assert failed["error"] == "StageFailure"
     assert failed["message"].startswith("rank 1: stage 1 failed in action 1F0 (micro-batch 0)")
     assert "rank 1 (stage 1) failed" in results[0].result["message"]
+
+
+def test_a_stalled_rank_makes_the_others_time_out_with_a_clear_error():
+    """Rank 1 stalls inside a layer for longer than the 3 s timeout: rank 0 stops after about
+    the timeout with PipelineTimeout naming itself, the action and the micro-batch it waited
+    for; the stalled rank's own step also ends with a timeout instead of hanging."""
+    results = launch("failure", 2, limit=120,
+                     args={"kind": "hang", "failing_rank": 1, "timeout": 3.0})
+    assert all(r.result is not None for r in results), describe(results)
+    waiting = results[0].result
+    assert waiting["error"] in ("PipelineTimeout", "PipelineAborted"), describe(results)
+    assert waiting["seconds"] < 7.0, describe(results)
+    assert "rank 0" in waiting["message"] and "micro-batch" in waiting["message"]
+    assert results[1].result["error"] == "PipelineTimeout", describe(results)

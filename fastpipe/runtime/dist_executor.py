@@ -123,7 +123,12 @@ class DistributedExecutor(LocalExecutor):
             else:
                 self.inbox(link.src_rank).begin(link.count)
 
-    def _receive(self, step: StepState, inbox: Inbox, what: str, deadline: float) -> Header:
+    @staticmethod
+    def _where(action: Action) -> Dict[str, Any]:
+        return {"stage": action.stage, "action": str(action), "microbatch": action.microbatch}
+
+    def _receive(self, step: StepState, inbox: Inbox, what: str, deadline: float,
+                 action: Optional[Action] = None) -> Header:
         """One message from ``inbox``, with errors that name this rank, the peer and ``what``
         this rank waited for."""
         remaining = deadline - time.monotonic()
@@ -131,7 +136,8 @@ class DistributedExecutor(LocalExecutor):
             raise PipelineTimeout(f"rank {self.topology.rank} timed out after {step.timeout:g}s "
                                   f"waiting for {what}; rank {inbox.src_rank} is stuck or slow: "
                                   f"raise timeout=... if stages are this slow",
-                                  rank=self.topology.rank)
+                                  rank=self.topology.rank,
+                                  **(self._where(action) if action is not None else {}))
         try:
             return inbox.receive_one(step.mailboxes, remaining)
         except PeerFailed as failure:
@@ -142,9 +148,14 @@ class DistributedExecutor(LocalExecutor):
             if cause is not None:
                 raise PipelineAborted(f"rank {self.topology.rank} stopped waiting for {what} "
                                       f"because {cause}") from None
-            kind = PipelineTimeout if "timed out" in str(error).lower() else PipelineError
-            raise kind(f"rank {self.topology.rank} could not receive {what} from rank "
-                       f"{inbox.src_rank}: {error}") from error
+            if "timed out" in str(error).lower():
+                raise PipelineTimeout(
+                    f"rank {self.topology.rank} timed out after {step.timeout:g}s waiting for "
+                    f"{what} from rank {inbox.src_rank}, which is stuck or slow: raise "
+                    f"timeout=... if stages are this slow", rank=self.topology.rank,
+                    **(self._where(action) if action is not None else {})) from error
+            raise PipelineError(f"rank {self.topology.rank} could not receive {what} from rank "
+                                f"{inbox.src_rank}: {error}") from error
 
     def _sleep(self, step: StepState, group: List[int], programs: Sequence[Sequence[Action]],
                cursors: Dict[int, int], virtual_stage: Any, bell: threading.Condition,
@@ -160,7 +171,7 @@ class DistributedExecutor(LocalExecutor):
                 raise PipelineAborted(f"stage {action.stage} stopped waiting for {what} because "
                                       f"{step.abort.reason}")
             src = self._source_of_missing(step, stage, action)
-            self._receive(step, self.inbox(src), what, deadline)
+            self._receive(step, self.inbox(src), what, deadline, action)
 
     def _source_of_missing(self, step: StepState, stage: Any, action: Action) -> int:
         """The rank that sends the first message ``action`` still lacks."""
@@ -215,7 +226,8 @@ class DistributedExecutor(LocalExecutor):
 
     def _wire(self, programs: Sequence[Sequence[Action]], step: StepState,
               schedule: Schedule) -> List[threading.Condition]:
-        step.progress = [("not started", None)] * len(programs)
+        step.progress = [("not started" if s == self.topology.stage else "on another rank", None)
+                         for s in range(len(programs))]
         step.busy = [0.0]
         return [self._bell]
 

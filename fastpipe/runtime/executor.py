@@ -182,7 +182,7 @@ class LocalExecutor:
             step.abort.trip("the step timed out")
             raise PipelineTimeout(
                 f"the pipeline step made no progress for {step.timeout:g}s ({where}); an action is "
-                f"stuck in user code: raise Pipe(timeout=...) if one action legitimately takes "
+                f"stuck in user code: raise the pipe's timeout=... if one action legitimately takes "
                 f"longer")
         if errors:
             raise errors[0]
@@ -198,5 +198,5 @@ def _timeout(step: StepState, pending: List[Action]) -> PipelineTimeout:
     return PipelineTimeout(
         f"stage {first.stage} timed out after {step.timeout:g}s waiting for the input of action "
         f"{first} (micro-batch {first.microbatch}); waiting: {waits}. The stage that should send "
-        f"it is stuck or slow: raise Pipe(timeout=...) if stages are this slow",
+        f"it is stuck or slow: raise the pipe's timeout=... if stages are this slow",
         stage=first.stage, action=str(first), microbatch=first.microbatch)
