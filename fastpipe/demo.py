@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--checkpoint", default="except_last")
+    parser.add_argument("--checkpoint", default="except_last",
+                        help="never, except_last, always, selective or offload")
+    parser.add_argument("--fused", action="store_true",
+                        help="build the blocks from fastpipe.nn's fused modules")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--print-every", type=int, default=None,
                         help="print a loss line every N steps (default: about ten lines)")
@@ -63,7 +66,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = _parser().parse_args(argv)
     torch.manual_seed(0)
     vocab = 32
-    model = gpt(vocab=vocab, dim=64, heads=4, layers=args.layers, max_len=args.seq)
+    model = gpt(vocab=vocab, dim=64, heads=4, layers=args.layers, max_len=args.seq,
+                fused=args.fused)
     pipe = Pipe(model, chunks=args.chunks, devices=_devices(args.stages),
                 checkpoint=args.checkpoint, schedule=args.schedule)
     _describe(pipe, args)

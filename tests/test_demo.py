@@ -32,6 +32,17 @@ def test_demo_with_auto_chunks_reports_measurements(capsys):
     assert "chunks='auto' measured samples/s per count" in capsys.readouterr().out
 
 
+def test_fused_demo_with_selective_recompute_learns_exactly_like_the_plain_one(capsys):
+    """gpt(fused=True) has the same parameters and exact ops: the same loss trajectory."""
+    args = ["--steps", "4", "--layers", "2", "--batch", "8", "--seq", "8", "--chunks", "2",
+            "--measure-steps", "1", "--picture", ""]
+    main(args)
+    plain = re.search(r"loss (\S+) -> (\S+)", capsys.readouterr().out).groups()
+    main(args + ["--fused", "--checkpoint", "selective"])
+    fused = re.search(r"loss (\S+) -> (\S+)", capsys.readouterr().out).groups()
+    assert [float(v) for v in fused] == pytest.approx([float(v) for v in plain], abs=1e-3)
+
+
 def test_table_aligns_columns():
     assert table(["a", "bbb"], [["xx", "y"]]) == "a   bbb\n--  ---\nxx  y"
 
