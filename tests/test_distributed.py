@@ -126,7 +126,8 @@ def test_torchrun_runs_the_example_end_to_end():
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", os.path.join(root, "examples", "train_gpt.py"),
                "--steps", "4", "--batch", "8", "--timeout", "60"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1",  # the package's tree, installed or not
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=root, start_new_session=True)
     try:

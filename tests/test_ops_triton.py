@@ -21,7 +21,9 @@ TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rt
 @pytest.fixture(scope="module")
 def triton_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("triton") / "results.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = str(SCRIPT.parent.parent)  # the package's tree, whether or not it is installed
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(SCRIPT), str(out)], env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
