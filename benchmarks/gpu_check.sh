@@ -9,6 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
+case $PY in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # parts cd around
 OUT="${GPU_CHECK_OUT:-build/gpu_check}"
 BUDGET="${GPU_CHECK_BUDGET:-470}"  # seconds for all parts together
 mkdir -p "$OUT"
