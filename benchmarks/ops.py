@@ -112,7 +112,7 @@ def gpu_stage(rounds: int) -> None:
         torch.manual_seed(0)
         model = nn.Sequential(*[Block(1024, 16, 0.1, fused=True) for _ in range(4)])
         pipe = fastpipe.Pipe(model, chunks=4, devices=["cuda"], checkpoint=mode)
-        step = _synced(lambda: pipe.train_step(x, y, nn.MSELoss()))
+        step = _synced(lambda pipe=pipe: pipe.train_step(x, y, nn.MSELoss()))
         step()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

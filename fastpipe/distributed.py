@@ -28,6 +28,7 @@ from . import amp, batchnorm, microbatch, tied as tied_weights
 from .runtime import adaptive, auto
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .errors import PipelineAborted, PipelineError
+from .frontdoor import FrontDoor, check_step_arguments
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
                         check_virtual_stages)
 from .runtime.board import Board, wait_work
@@ -48,7 +49,6 @@ from .skip.api import declaration
 
 LayerFactory = Callable[[], nn.Module]
 Layers = Union[nn.Sequential, Sequence[LayerFactory]]
-LOSS_REDUCTIONS = ("mean", "sum")
 
 _instances = itertools.count()  # ranks build their pipes in the same order: same ids everywhere
 
@@ -62,7 +62,7 @@ class _RemoteStage:
         self.device = device
 
 
-class DistributedPipe(nn.Module):
+class DistributedPipe(FrontDoor):
     """A pipeline whose stages live in different processes (one rank per pipeline stage).
 
     Args:
@@ -180,11 +180,6 @@ class DistributedPipe(nn.Module):
 
     # ---------------------------------------------------------------- properties
     @property
-    def balance(self) -> Tuple[int, ...]:
-        """Layers per virtual stage, in model order."""
-        return self._balance
-
-    @property
     def stages(self) -> Tuple[int, ...]:
         """The virtual stages this rank holds."""
         return tuple(self._local)
@@ -195,30 +190,9 @@ class DistributedPipe(nn.Module):
         return self._device
 
     @property
-    def chunks(self) -> int:
-        """Requested number of micro-batches per batch."""
-        return self._chunks
-
-    @property
-    def schedule(self) -> str:
-        """The schedule's name; ``plan(m)`` gives the schedule itself."""
-        return self._schedule_name
-
-    @property
-    def checkpoint(self) -> str:
-        """The checkpoint mode."""
-        return self._checkpoint
-
-    @property
-    def virtual_stages(self) -> int:
-        """Model chunks per rank."""
-        return self._virtual
-
-    def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
-        """The validated schedule the ranks run for ``num_microbatches`` (default ``chunks``)."""
-        from .pipe import _schedule
-        p = dist.get_world_size(self._group)
-        return _schedule(self._schedule_name, p, num_microbatches or self._chunks, self._virtual)
+    def num_stages(self) -> int:
+        """Physical stages: the ranks of the pipeline's process group."""
+        return dist.get_world_size(self._group)
 
     # ---------------------------------------------------------------- running
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -273,14 +247,8 @@ class DistributedPipe(nn.Module):
     def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                     loss_reduction: str, scaler: Optional[Any],
                     optimizer: Optional[torch.optim.Optimizer]) -> torch.Tensor:
-        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None), got "
-                            f"{optimizer!r}")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'")
-        stash.check_optimizer_argument(optimizer, self._pipedream is not None, scaler)
+        check_step_arguments(loss_fn, loss_reduction, optimizer, self._pipedream is not None,
+                             scaler)
         handlers = self._pipedream.handlers(optimizer) if self._pipedream is not None else None
         last = len(self._stages) - 1
         has_targets = self._topology.local(last)
@@ -387,10 +355,6 @@ class DistributedPipe(nn.Module):
                              f"last stage: pass the targets on this rank")
         return sizes
 
-    def _accepts(self, num_microbatches: int) -> bool:
-        """Whether the schedule can run ``num_microbatches``."""
-        return adaptive.accepted(self.plan, num_microbatches)
-
     def _step_chunks(self, total: int) -> int:
         """The micro-batch count this rank splits a batch of ``total`` into: ``chunks``, or
         with ``chunks='auto'`` on the first stage's rank, the search's next count (the other
@@ -398,10 +362,7 @@ class DistributedPipe(nn.Module):
         if not self._auto_chunks or not self._topology.local(0):
             return min(self._chunks, total) if self._auto_chunks else self._chunks
         if self.chunk_search is None:
-            p = dist.get_world_size(self._group)
-            self.chunk_search = adaptive.ChunkSearch(
-                adaptive.candidate_counts(p, total), self._chunks,
-                lambda m: self._accepts(len(microbatch.split_sizes(total, m))))
+            self.chunk_search = self._new_chunk_search(total)
         self._chunks = min(self.chunk_search.next(), total)
         return self._chunks
 
@@ -452,7 +413,7 @@ class DistributedPipe(nn.Module):
         self._executor.info.step, self._executor.info.num_microbatches = self._steps, m
         self._executor.info.batch_size = sum(sizes)
         self._executor.info.losses = step.losses  # filled by the last stage or by the headers
-        self._executor.expect(step, list(links_for(m).values()), learned_from)
+        self._executor.expect(list(links_for(m).values()), learned_from)
         if step.batch is not None:
             step.inputs = microbatch.scatter(step.batch, sizes)
         if step.targets is not None:
@@ -479,20 +440,6 @@ class DistributedPipe(nn.Module):
             self._sync.launch(stage.parameters(), f"stage {stage.index}")
 
     # ---------------------------------------------------------------- plain-module names
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Any:
-        """This rank's parameters under the plain model's names (``'4.weight'``)."""
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Any:
-        """This rank's buffers under the plain model's names."""
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's layers' state under the plain model's names (``'4.weight'``)."""
-        return self.module.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load this rank's entries of a plain-model (or any rank's) state dict; entries of
         layers other ranks hold are ignored, missing local ones are an error when ``strict``."""

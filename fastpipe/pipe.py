@@ -8,7 +8,6 @@ accumulating exactly the gradients that the unsplit module gives on the whole ba
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from . import amp, batchnorm, microbatch, tied as tied_weights
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
+from .frontdoor import FrontDoor, check_step_arguments
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
                         check_flag, check_module, check_timeout, check_virtual_stages, check_workers,
                         default_partitions, resolve_devices, split)
@@ -27,12 +27,9 @@ from .runtime import adaptive, auto, graphs
 from .runtime.step import StepState
 from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
-from .schedule import Schedule, get_schedule
+from .schedule import Schedule
 
-LOSS_REDUCTIONS = ("mean", "sum")
-
-
-class Pipe(nn.Module):
+class Pipe(FrontDoor):
     """A pipeline-parallel wrapper of an ``nn.Sequential``.
 
     Args:
@@ -148,25 +145,9 @@ class Pipe(nn.Module):
         return self._partitions
 
     @property
-    def balance(self) -> Tuple[int, ...]:
-        """Number of layers in each stage."""
-        return self._balance
-
-    @property
     def devices(self) -> Tuple[torch.device, ...]:
         """Device of each stage."""
         return self._devices
-
-    @property
-    def chunks(self) -> int:
-        """Number of micro-batches per batch: the one requested, or with ``chunks='auto'`` the
-        one the next step runs (the chosen one once ``chunk_search.chosen`` is set)."""
-        return self._chunks
-
-    @property
-    def checkpoint(self) -> str:
-        """The checkpoint mode."""
-        return self._checkpoint
 
     @property
     def cpu_workers(self) -> int:
@@ -174,19 +155,9 @@ class Pipe(nn.Module):
         return self._workers.current
 
     @property
-    def schedule(self) -> str:
-        """The name of the schedule the next step runs; ``plan(m)`` gives the schedule itself."""
-        return self._schedule_name
-
-    @property
-    def virtual_stages(self) -> int:
-        """Model chunks per device (``partitions`` has ``len(devices) * virtual_stages``)."""
-        return self._virtual
-
-    def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
-        """The validated schedule this pipe runs for ``num_microbatches`` (default ``chunks``)."""
-        return _schedule(self._schedule_name, len(self._devices),
-                         num_microbatches or self._chunks, self._virtual)
+    def num_stages(self) -> int:
+        """Physical stages (``len(devices)``)."""
+        return len(self._devices)
 
     @contextlib.contextmanager
     def trace(self) -> Iterator[Trace]:
@@ -221,13 +192,9 @@ class Pipe(nn.Module):
         after every micro-batch's backward, with that micro-batch's gradient (``.grad`` then
         holds the last one); see ``fastpipe.runtime.stash`` for the exact semantics.
         """
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' (losses averaged over "
-                             f"the batch) or 'sum' (losses summed over the batch)")
         scaler = amp.check_scaler(scaler)
-        stash.check_optimizer_argument(optimizer, self._pipedream is not None, scaler)
+        check_step_arguments(loss_fn, loss_reduction, optimizer, self._pipedream is not None,
+                             scaler)
         total = microbatch.batch_size(inputs, argument="inputs")
         target_total = microbatch.batch_size(targets, argument="targets")
         if target_total != total:
@@ -281,16 +248,10 @@ class Pipe(nn.Module):
             for m, training in modes:
                 m.training = training
 
-    def _accepts(self, num_microbatches: int) -> bool:
-        """Whether the schedule can run ``num_microbatches``."""
-        return adaptive.accepted(self.plan, num_microbatches)
-
     def _step_chunks(self, total: int) -> int:
         """The micro-batch count of the next training step; ``chunks='auto'`` searches it."""
         if self._auto_chunks and self.chunk_search is None:
-            search = adaptive.ChunkSearch(
-                adaptive.candidate_counts(len(self._devices), total), self._chunks,
-                lambda m: self._accepts(len(microbatch.split_sizes(total, m))))
+            search = self._new_chunk_search(total)
             object.__setattr__(self, "chunk_search", search)
             self._chunks = search.next()
         return min(self._chunks, total) if self._auto_chunks else self._chunks
@@ -300,7 +261,7 @@ class Pipe(nn.Module):
         search = self.chunk_search
         if search is None or search.chosen is not None:
             return
-        adaptive.wait_for(self._devices)
+        adaptive.wait_for(self._devices, self._timeout)
         search.record(self._chunks, total, time.perf_counter() - start)
         self._chunks = search.next()
 
@@ -342,20 +303,6 @@ class Pipe(nn.Module):
                          checkpoint_mode=self._checkpoint, **kwargs)
 
     # ---------------------------------------------------------------- plain-module names
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        """Parameters under the plain module's names (``'4.weight'``), whatever the split."""
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Buffers under the plain module's names."""
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The plain module's state dict (same keys as ``module.state_dict()``)."""
-        return self.module.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a plain module's state dict; tensors are copied onto each stage's device."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
@@ -375,13 +322,6 @@ class Pipe(nn.Module):
         workers = self.__dict__.get("_workers")
         if workers is not None:
             workers.shutdown()
-
-
-@functools.lru_cache(maxsize=64)
-def _schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
-    schedule = get_schedule(name, num_stages, num_microbatches, virtual_stages=virtual_stages)
-    schedule.validate(comm="buffered")  # the local executor's mailboxes buffer every send
-    return schedule
 
 
 def _order_streams(stages: Sequence[Stage], *, before: bool) -> None:

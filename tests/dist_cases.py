@@ -10,7 +10,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -239,20 +239,27 @@ def checkpoint_across_layouts() -> Dict:
     return {"keys": len(merged)}
 
 
-def auto_chunks(steps: int = 8) -> Dict:
-    """chunks='auto': the first rank searches, every rank follows the count it announces, and
-    every step is exact whatever its count."""
+def exact_steps(pipe: DistributedPipe, steps: int, batch: int, seen: Callable[[], Any]) -> List:
+    """Run ``steps`` training steps, each checked against the plain model (loss and every
+    local gradient); returns ``seen()`` after each step."""
     plain = model()
-    pipe = DistributedPipe(model(), chunks="auto", schedule="1f1b", timeout=30)
-    counts = []
+    out = []
     for step in range(steps):
-        x, y = data(16, seed=step)
+        x, y = data(batch, seed=step)
         ref_loss, ref = reference_grads(plain, x, y)
         pipe.zero_grad(set_to_none=True)
         loss = pipe.train_step(x, y, nn.functional.mse_loss)
         torch.testing.assert_close(loss, ref_loss, **TOL)
-        check_grads(pipe, ref, f"auto chunks step {step} ({pipe.chunks} micro-batches)")
-        counts.append(pipe.chunks)
+        check_grads(pipe, ref, f"step {step} (seen: {seen()})")
+        out.append(seen())
+    return out
+
+
+def auto_chunks(steps: int = 8) -> Dict:
+    """chunks='auto': the first rank searches, every rank follows the count it announces, and
+    every step is exact whatever its count."""
+    pipe = DistributedPipe(model(), chunks="auto", schedule="1f1b", timeout=30)
+    counts = exact_steps(pipe, steps, batch=16, seen=lambda: pipe.chunks)
     search = pipe.chunk_search
     return {"counts": counts, "chosen": None if search is None else search.chosen}
 
@@ -260,17 +267,8 @@ def auto_chunks(steps: int = 8) -> Dict:
 def auto_schedule(steps: int = 3) -> Dict:
     """schedule='auto': the first step runs 1F1B, traced; every rank ranks the same gathered
     timeline and keeps the same schedule; every step is exact."""
-    plain = model()
     pipe = DistributedPipe(model(), chunks=4, schedule="auto", timeout=30)
-    names = []
-    for step in range(steps):
-        x, y = data(8, seed=step)
-        ref_loss, ref = reference_grads(plain, x, y)
-        pipe.zero_grad(set_to_none=True)
-        loss = pipe.train_step(x, y, nn.functional.mse_loss)
-        torch.testing.assert_close(loss, ref_loss, **TOL)
-        check_grads(pipe, ref, f"auto schedule step {step} ({pipe.schedule})")
-        names.append(pipe.schedule)
+    names = exact_steps(pipe, steps, batch=8, seen=lambda: pipe.schedule)
     return {"names": names, "ranked": [r.name for r in pipe.auto_ranking]}
 
 

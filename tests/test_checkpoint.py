@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe.checkpoint import RngReplay, checkpoint_stop
+from fastpipe.checkpoint import MODES, RngReplay, checkpoint_stop
 from helpers import assert_same_grads, grads_of
 
 
@@ -47,11 +47,13 @@ def test_dropout_is_seeded_by_the_global_seed_and_varies_by_step():
     assert a.item() != b.item()
 
 
-def test_forward_path_recompute_replays_dropout():
+@pytest.mark.parametrize("other", [m for m in MODES if m != "never"])
+def test_forward_path_recompute_replays_dropout(other):
+    """pipe(x) then backward: every mode gives 'never''s gradients, dropout included."""
     base = dropout_model()
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     grads = []
-    for mode in ("never", "always"):
+    for mode in ("never", other):
         model = copy.deepcopy(base)
         pipe = fastpipe.Pipe(model, chunks=4, balance=[3, 4], devices=["cpu"] * 2, checkpoint=mode)
         torch.manual_seed(99)

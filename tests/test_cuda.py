@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from helpers import assert_same_grads, grads_of, mlp, reference
+from helpers import assert_cuda_steps_exact, assert_same_grads, grads_of, mlp, reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
 
@@ -73,14 +73,4 @@ def test_dropout_replay_on_cuda():
 
 def test_many_steps_no_corruption():
     """Repeated steps with allocations freed and reused between stages stay exact."""
-    model = mlp(width=256, depth=8)
-    plain = copy.deepcopy(model).cuda()
-    pipe = fastpipe.Pipe(model, chunks=8, balance=[4, 4], devices=["cuda:0", "cuda:0"],
-                         checkpoint="never", schedule="1f1b")
-    for _ in range(20):
-        x, y = torch.randn(64, 256), torch.randn(64, 4)
-        pipe.zero_grad(set_to_none=True)
-        expected_loss, expected = reference(plain, x.cuda(), y.cuda(), nn.MSELoss())
-        loss = pipe.train_step(x, y, nn.MSELoss())
-        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-        assert_same_grads(grads_of(model), expected, rtol=1e-4, atol=1e-5)
+    assert_cuda_steps_exact("never", width=256, steps=20)

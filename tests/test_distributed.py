@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 EVERY_SCHEDULE_2 = [["gpipe", 1, "except_last"], ["1f1b", 1, "never"], ["1f1b", 1, "always"],
                     ["1f1b", 1, "except_last"], ["interleaved", 2, "except_last"],
                     ["looped-bfs", 2, "never"], ["zb-h1", 1, "except_last"],
-                    ["zbv", 2, "always"], ["dualpipev", 2, "never"]]
+                    ["zbv", 2, "always"], ["dualpipev", 2, "never"],
+                    ["1f1b", 1, "selective"], ["zb-h1", 1, "selective"],
+                    ["1f1b", 1, "offload"], ["interleaved", 2, "offload"]]
 EVERY_SCHEDULE_4 = [["gpipe", 1, "never"], ["1f1b", 1, "except_last"],
                     ["interleaved", 2, "never"], ["looped-bfs", 2, "always"],
                     ["zb-h1", 1, "never"], ["zbv", 2, "except_last"],

@@ -10,7 +10,7 @@ import fastpipe
 from fastpipe import _native, offload
 from fastpipe.checkpoint import MODES, checkpoint_stop
 from fastpipe.ops.pinned_pool import GRANULE, ReferencePool, host_pool
-from helpers import assert_same_grads, grads_of, mlp, reference
+from helpers import assert_cuda_steps_exact, assert_same_grads, grads_of, mlp, reference
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", _native.FastpipeNativeWarning)
@@ -214,14 +214,4 @@ def test_cuda_offload_exact_and_saves_memory(name):
 
 @pytest.mark.cuda
 def test_cuda_offload_stress_many_steps():
-    model = mlp(width=512, depth=8)
-    plain = copy.deepcopy(model).cuda()
-    pipe = fastpipe.Pipe(model, chunks=8, balance=[4, 4], devices=["cuda:0"] * 2,
-                         checkpoint="offload", schedule="1f1b")
-    for _ in range(10):
-        x, y = torch.randn(64, 512), torch.randn(64, 4)
-        pipe.zero_grad(set_to_none=True)
-        expected_loss, expected = reference(plain, x.cuda(), y.cuda(), nn.MSELoss())
-        loss = pipe.train_step(x, y, nn.MSELoss())
-        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
-        assert_same_grads(grads_of(model), expected, rtol=1e-4, atol=1e-5)
+    assert_cuda_steps_exact("offload", width=512, steps=10)

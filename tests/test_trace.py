@@ -53,3 +53,16 @@ def test_forward_is_traced_too_and_empty_trace_is_an_error():
     with pipe.trace() as t, torch.no_grad():
         pipe(torch.randn(4, 8))
     assert sorted(str(e.action) for e in t.timeline.events) == ["0F0", "0F1", "1F0", "1F1"]
+
+
+def test_waiting_for_a_gpu_event_is_bounded_and_says_what_it_waited_for():
+    from fastpipe.errors import PipelineTimeout
+    from fastpipe.runtime.trace import wait_for_event
+
+    class Never:  # an event whose work never finishes
+        def query(self):
+            return False
+
+    with pytest.raises(PipelineTimeout, match="after 0.05s waiting for cuda:0 to finish") as info:
+        wait_for_event(Never(), 0.05, "cuda:0 to finish the step", stage=1, microbatch=3)
+    assert (info.value.stage, info.value.microbatch) == (1, 3)

@@ -82,7 +82,14 @@ inline acc_t lane_sum(int64_t n, const F& f) {
 constexpr uint32_t kMul1 = 0x7feb352dU;
 constexpr uint32_t kMul2 = 0x2c1b3c6dU;
 
-inline uint32_t mix32(uint32_t x) {
+// One mixing round, on a uint32_t or on a vector of them (fused_simd.h): the same arithmetic
+// lane by lane. Always inlined, so each instruction-set clone of a kernel keeps it in its ISA
+// (hence no ABI concern in passing 64-byte vectors to it).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+template <typename U>
+inline __attribute__((always_inline)) U mix32(U x) {
   x ^= x >> 16;
   x *= kMul1;
   x ^= x >> 15;

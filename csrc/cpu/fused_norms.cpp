@@ -351,60 +351,61 @@ void norm_backward(
   }
 }
 
-at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
-  check_norm_input(x_in, weight_in, eps, "rms_norm");
+// Forward of either norm: LayerNorm when `bias` is given (its input checked), RMSNorm otherwise.
+at::Tensor norm_op(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor* bias_in,
+                   double eps, const char* op) {
+  check_norm_input(x_in, weight_in, eps, op);
+  if (bias_in) {
+    fused::check_vector(*bias_in, x_in.size(-1), x_in.scalar_type(), op, "bias");
+  }
   const at::Tensor x = x_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
+  const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
   at::Tensor out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    norm_forward<scalar_t>(x, weight, nullptr, eps, out);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm", [&] {
+    norm_forward<scalar_t>(x, weight, bias_in ? &bias : nullptr, eps, out);
   });
   return out;
+}
+
+// Backward of either norm: the input and weight gradients, and the bias gradient when `centre`
+// (LayerNorm; an undefined tensor otherwise).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_op(
+    const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& weight_in, double eps,
+    bool centre, const char* op) {
+  check_norm_input(x_in, weight_in, eps, op);
+  fused::check_same(x_in, grad_in, op, "grad");
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  at::Tensor grad_x = at::empty_like(x);
+  at::Tensor grad_w = at::empty_like(weight);
+  at::Tensor grad_b = centre ? at::empty_like(weight) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "norm_backward", [&] {
+    norm_backward<scalar_t>(grad, x, weight, eps, centre, grad_x, grad_w,
+                            centre ? &grad_b : nullptr);
+  });
+  return {grad_x, grad_w, grad_b};
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return norm_op(x, weight, nullptr, eps, "rms_norm");
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(
-    const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
-  check_norm_input(x_in, weight_in, eps, "rms_norm_backward");
-  fused::check_same(x_in, grad_in, "rms_norm_backward", "grad");
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor grad = grad_in.contiguous();
-  const at::Tensor weight = weight_in.contiguous();
-  at::Tensor grad_x = at::empty_like(x);
-  at::Tensor grad_w = at::empty_like(weight);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_backward", [&] {
-    norm_backward<scalar_t>(grad, x, weight, eps, false, grad_x, grad_w, nullptr);
-  });
-  return {grad_x, grad_w};
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto grads = norm_backward_op(grad, x, weight, eps, false, "rms_norm_backward");
+  return {std::get<0>(grads), std::get<1>(grads)};
 }
 
 at::Tensor layer_norm_cpu(
-    const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& bias_in, double eps) {
-  check_norm_input(x_in, weight_in, eps, "layer_norm");
-  fused::check_vector(bias_in, x_in.size(-1), x_in.scalar_type(), "layer_norm", "bias");
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor weight = weight_in.contiguous();
-  const at::Tensor bias = bias_in.contiguous();
-  at::Tensor out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm", [&] {
-    norm_forward<scalar_t>(x, weight, &bias, eps, out);
-  });
-  return out;
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  return norm_op(x, weight, &bias, eps, "layer_norm");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
-    const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
-  check_norm_input(x_in, weight_in, eps, "layer_norm_backward");
-  fused::check_same(x_in, grad_in, "layer_norm_backward", "grad");
-  const at::Tensor x = x_in.contiguous();
-  const at::Tensor grad = grad_in.contiguous();
-  const at::Tensor weight = weight_in.contiguous();
-  at::Tensor grad_x = at::empty_like(x);
-  at::Tensor grad_w = at::empty_like(weight);
-  at::Tensor grad_b = at::empty_like(weight);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_backward", [&] {
-    norm_backward<scalar_t>(grad, x, weight, eps, true, grad_x, grad_w, &grad_b);
-  });
-  return {grad_x, grad_w, grad_b};
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return norm_backward_op(grad, x, weight, eps, true, "layer_norm_backward");
 }
 
 } // namespace

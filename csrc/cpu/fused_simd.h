@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fused_common.h"
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi" // 64-byte vectors only cross always-inline calls
 #endif
@@ -117,25 +119,7 @@ FASTPIPE_INLINE vf one_plus_erf(vf z, vf& gauss) {
   return z < 0.0f ? erfc : 2.0f - erfc;
 }
 
-// --- dropout hash (see fused_common.h for the scalar form it must match bit for bit) ------------
-
-FASTPIPE_INLINE vu mix32(vu x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x2c1b3c6dU;
-  x ^= x >> 16;
-  return x;
-}
-
-FASTPIPE_INLINE uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x2c1b3c6dU;
-  x ^= x >> 16;
-  return x;
-}
+// --- dropout hash: fused_common.h's keep(), 16 counters at once (bit for bit the same) ----------
 
 // Keep mask (all ones where kept, else 0) of the 16 element counters c0, c0 + 1, ..., c0 + 15.
 FASTPIPE_INLINE vi keep_mask(uint32_t key, uint64_t c0, uint32_t threshold) {
@@ -145,16 +129,15 @@ FASTPIPE_INLINE vi keep_mask(uint32_t key, uint64_t c0, uint32_t threshold) {
     for (int64_t k = 0; k < kWidth; ++k) {
       lanes[k] = static_cast<uint32_t>(k);
     }
-    const vu r = mix32(mix32((lanes + lo) ^ key) ^ static_cast<uint32_t>(c0 >> 32));
+    const vu r = fused::mix32(fused::mix32((lanes + lo) ^ key) ^ static_cast<uint32_t>(c0 >> 32));
     // (r >> 8) >= threshold, both below 2**24 + 1: the sign of their difference, as an
     // arithmetic shift (a vector compare of unsigned lanes may not vectorise)
     return ~(((vi)(r >> 8) - static_cast<int32_t>(threshold)) >> 31);
   }
   vi mask; // the low 32 bits wrap inside this vector: element by element
   for (int64_t k = 0; k < kWidth; ++k) {
-    const uint64_t c = c0 + static_cast<uint64_t>(k);
-    const uint32_t r = mix32(mix32(static_cast<uint32_t>(c) ^ key) ^ static_cast<uint32_t>(c >> 32));
-    mask[k] = (r >> 8) >= threshold ? -1 : 0;
+    mask[k] = fused::keep(key, static_cast<int64_t>(c0 + static_cast<uint64_t>(k)), threshold)
+        ? -1 : 0;
   }
   return mask;
 }

@@ -16,6 +16,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .trace import wait_for_event
+
 LOG = logging.getLogger("fastpipe")
 
 #: steps measured per candidate (the best is kept: the first step of a count pays for warm-up)
@@ -136,8 +138,12 @@ class ChunkSearch:
                  self.chosen, table)
 
 
-def wait_for(devices: Sequence[torch.device]) -> None:
-    """Wait for the GPUs' queued work, so a measured step time covers the work, not its launch."""
+def wait_for(devices: Sequence[torch.device], timeout: float) -> None:
+    """Wait (at most ``timeout`` seconds) for the GPUs' queued work, so a measured step time
+    covers the work, not its launch."""
     for device in set(devices):
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            wait_for_event(event, timeout, f"{device} to finish the step timed for "
+                                           f"chunks='auto'")

@@ -112,7 +112,7 @@ class DistributedExecutor(LocalExecutor):
         return self._receive(step, inbox, f"the first message of the step from rank {src_rank}",
                              time.monotonic() + step.timeout)
 
-    def expect(self, step: StepState, found: Sequence[Link], learned_from: Optional[int]) -> None:
+    def expect(self, found: Sequence[Link], learned_from: Optional[int]) -> None:
         """Post the first receive from every peer that sends this rank something this step."""
         for inbox in self._inboxes.values():
             if inbox.src_rank != learned_from:

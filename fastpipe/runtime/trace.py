@@ -66,14 +66,20 @@ class StepRecorder:
 
 
 def _wait_for(event: Any, timeout: float, stage: int, action: Action) -> None:
-    """Poll a CUDA event until it completed; a GPU that never finishes raises instead of hanging."""
+    """Wait for the event recorded after ``action``; a GPU that never finishes raises."""
+    wait_for_event(event, timeout, f"the GPU to finish action {action} (micro-batch "
+                   f"{action.microbatch}) of stage {stage} while reading its trace",
+                   stage=stage, action=str(action), microbatch=action.microbatch)
+
+
+def wait_for_event(event: Any, timeout: float, what: str, **where: Any) -> None:
+    """Poll a CUDA event until it completed, at most ``timeout`` seconds (a plain
+    ``synchronize`` would wait forever on a GPU that never finishes); ``what`` it stands for
+    and ``where`` (stage, action, micro-batch) go into the error."""
     deadline = time.monotonic() + timeout
     while not event.query():
         if time.monotonic() > deadline:
-            raise PipelineTimeout(
-                f"stage {stage} timed out after {timeout:g}s waiting for the GPU to finish action "
-                f"{action} (micro-batch {action.microbatch}) while reading its trace",
-                stage=stage, action=str(action), microbatch=action.microbatch)
+            raise PipelineTimeout(f"timed out after {timeout:g}s waiting for {what}", **where)
         time.sleep(1e-4)
 
 
