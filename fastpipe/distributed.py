@@ -13,53 +13,27 @@ averaged across replicas, each stage's as soon as its last backward of the step 
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
-import time
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import amp, batchnorm, microbatch, tied as tied_weights
-from .runtime import adaptive, auto
-from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
-from .errors import PipelineAborted, PipelineError
-from .frontdoor import FrontDoor, check_step_arguments
-from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
-                        check_virtual_stages)
-from .runtime.board import Board, wait_work
-from .runtime.dist_executor import (DistributedExecutor, Topology, flows,
-                                    last_gradient_actions, links)
-from .runtime.grad_sync import GradSync
-from .runtime.p2p import Kinds, Link
-from .runtime.stage import Stage
+from . import tied as tied_weights
+from .frontdoor import FrontDoor, parse_layout
+from .placement import auto_balance, check_balance
 from .runtime import stash
-from .runtime.stash import step_optimizer
-from .runtime.step import StepState
+from .runtime.dist_executor import Topology
+from .runtime.per_rank import PerRankDriver, RemoteStage
+from .runtime.stage import Stage
 from .runtime.tied_sync import TiedSync
-from .runtime.trace import StepRecorder, Trace
-from .schedule.timeline import Timeline
-from .schedule import Schedule
 from .skip import exchange as skip_exchange, layout as skip_layout
 from .skip.api import declaration
 
 LayerFactory = Callable[[], nn.Module]
 Layers = Union[nn.Sequential, Sequence[LayerFactory]]
-
-_instances = itertools.count()  # ranks build their pipes in the same order: same ids everywhere
-
-
-class _RemoteStage:
-    """Stands for a virtual stage another rank holds (the handlers only read its index and
-    the device its messages are staged on)."""
-
-    def __init__(self, index: int, device: torch.device) -> None:
-        self.index = index
-        self.device = device
 
 
 class DistributedPipe(FrontDoor):
@@ -113,76 +87,54 @@ class DistributedPipe(FrontDoor):
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
         layers = _check_layers(module)
-        self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
-        deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
+        layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
+                              deferred_batch_norm)
         tie_groups = _check_tied(module, tied)
-        self._chunks = 1 if self._auto_chunks else check_chunks(chunks)
-        self.chunk_search: Optional[adaptive.ChunkSearch] = None  # chunks='auto', first rank
-        self._checkpoint = check_mode(checkpoint)
-        self._timeout = check_timeout(timeout)
-        self._virtual = check_virtual_stages(virtual_stages)
-        self._schedule_name = auto.check_name(schedule)
-        self._auto = self._schedule_name == "auto"
-        if self._auto:
-            self._schedule_name = auto.first_schedule(self._virtual)
-        self.auto_ranking: Optional[List[Any]] = None
         self._group = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(self._group)
-        p, v = len(ranks), self._virtual
-        self._balance = tuple(_balance(module, layers, balance, p * v))
-        skips = _skip_plans(module, self._balance)
-        if self._auto_chunks:
-            self._chunks = adaptive.first_count(p, self._accepts)
-        plan = self.plan(self._chunks)  # raises for a schedule that cannot run this layout
+        p, v = len(ranks), layout.virtual_stages
+        layout = layout.with_balance(_balance(module, layers, balance, p * v))
+        skips = _skip_plans(module, layout.balance)
+        self._begin(layout)  # raises for a schedule that cannot run this layout
+        plan = self.plan(self._chunks)
         rank = dist.get_rank()
-        stage = ranks.index(rank)
         owner = [ranks[plan.stage_of(k)[0]] for k in range(p * v)]
         self._device = _resolve_device(device, self._group)
         if tie_groups:
             tied_weights.tie(module, tie_groups)
-        shared = (tied_weights.find(module, self._balance)
+        shared = (tied_weights.find(module, layout.balance)
                   if isinstance(module, nn.Sequential) else [])
-        self._topology = Topology(owner, rank, stage, self._group, self._device)
-        starts = [0, *itertools.accumulate(self._balance)]
+        topology = Topology(owner, rank, ranks.index(rank), self._group, self._device)
+        starts = [0, *itertools.accumulate(layout.balance)]
         kept: "OrderedDict[str, nn.Module]" = OrderedDict()
         stages: List[Any] = []
         for k in range(p * v):
             if owner[k] != rank:
-                stages.append(_RemoteStage(k, self._device))
+                stages.append(RemoteStage(k, self._device))
                 continue
             part = OrderedDict((str(i), _materialise(layers[i], self._device))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
             stages.append(Stage(k, nn.Sequential(part), self._device,
-                                deferred_batch_norm=deferred))
+                                deferred_batch_norm=layout.deferred_batch_norm))
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
         object.__setattr__(self, "_stages", stages)
-        object.__setattr__(self, "_local", [k for k in range(p * v) if owner[k] == rank])
-        self._skips = {k: plan for k, plan in skips.items() if k in self._local}
-        skip_exchange.wire(stages, self._skips)
+        local = {k: plan for k, plan in skips.items() if owner[k] == rank}
+        skip_exchange.wire(stages, local)
         names = sorted({name for plan in skips.values() for name, _ in plan.sends})
-        self._board = Board(f"pipe{next(_instances)}", rank)
-        self._executor = DistributedExecutor(self._topology, self._board, self._after_action,
-                                             Kinds(names), self._skips)
-        self._sync = _grad_sync(data_parallel_group, self._board, self._timeout)
-        self._tied = TiedSync(shared, owner, self._group, self._device, self._board,
-                              self._timeout)
+        self._driver = PerRankDriver(topology, stages, local, names, data_parallel_group,
+                                     shared, layout.timeout)
         self._pipedream = (stash.PipeDream(stages) if self._schedule_name == "pipedream"
                            else None)
-        _check_asynchronous(self._pipedream, data_parallel_group, self._tied)
-        self._tied.broadcast_initial()
-        self._data_group = data_parallel_group
-        self._steps = 0
-        self._trace: Optional[Trace] = None
-        self._broken: Optional[str] = None
-        self._last_actions: Dict[Any, int] = {}
+        _check_asynchronous(self._pipedream, data_parallel_group, self._driver.tied)
+        self._driver.tied.broadcast_initial()
 
     # ---------------------------------------------------------------- properties
     @property
     def stages(self) -> Tuple[int, ...]:
         """The virtual stages this rank holds."""
-        return tuple(self._local)
+        return tuple(self._driver.local)
 
     @property
     def device(self) -> torch.device:
@@ -194,251 +146,6 @@ class DistributedPipe(FrontDoor):
         """Physical stages: the ranks of the pipeline's process group."""
         return dist.get_world_size(self._group)
 
-    # ---------------------------------------------------------------- running
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                   *, loss_reduction: str = "mean", scaler: Optional[Any] = None,
-                   optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
-        """Forward and backward of one batch on every rank; returns the loss on every rank.
-
-        ``inputs`` are read on the rank of the first stage, ``targets`` on the rank of the last
-        (``None`` elsewhere is fine). Adds to the local parameters' ``.grad`` what the plain
-        model's backward adds (averaged over data-parallel replicas when there are some).
-        ``scaler``: a ``torch.amp.GradScaler``; the micro-batch losses are scaled. With
-        ``optimizer`` (over ``pipe.parameters()``) the pipe then steps it: through the scaler,
-        after every rank agreed whether any gradient anywhere is inf or NaN (so all ranks skip
-        the step together); without ``optimizer``, call ``fastpipe.amp.unscale_and_sync(scaler,
-        optimizer)`` on every rank before ``scaler.step(optimizer)``.
-        """
-        self._check_usable()
-        try:
-            return self._train_step(inputs, targets, loss_fn, loss_reduction,
-                                    amp.check_scaler(scaler), optimizer)
-        except BaseException as error:
-            self._publish(error)
-            raise
-
-    def forward(self, inputs: Any) -> Optional[Any]:
-        """Forward-only evaluation (no graph, no recompute, nothing kept for backward): the
-        output on the last stage's rank, ``None`` on the others."""
-        self._check_usable()
-        try:
-            with torch.no_grad():
-                return self._forward(inputs)
-        except BaseException as error:
-            self._publish(error)
-            raise
-
-    def _publish(self, error: BaseException) -> None:
-        """After any failure: tell the other ranks (unless they told this one), and refuse
-        further steps (the peers' message streams are no longer in step with this rank's)."""
-        if self._broken is None:
-            self._broken = f"{type(error).__name__}: {error}"
-        if isinstance(error, PipelineAborted):
-            return  # another rank failed first and told everyone
-        self._executor.fail(f"rank {self._topology.rank} (stage {self._topology.stage}) "
-                            f"failed: {type(error).__name__}: {error}")
-
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise PipelineError(f"a previous step of this DistributedPipe failed ({self._broken}"
-                                f"); the ranks' message streams are out of step: destroy the "
-                                f"process group and build new pipes")
-
-    def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                    loss_reduction: str, scaler: Optional[Any],
-                    optimizer: Optional[torch.optim.Optimizer]) -> torch.Tensor:
-        check_step_arguments(loss_fn, loss_reduction, optimizer, self._pipedream is not None,
-                             scaler)
-        handlers = self._pipedream.handlers(optimizer) if self._pipedream is not None else None
-        last = len(self._stages) - 1
-        has_targets = self._topology.local(last)
-        start = time.perf_counter()
-        sizes = self._local_sizes(inputs, targets if has_targets else None, has_targets)
-        step = self._new_step(inputs if self._topology.local(0) else None, train=True,
-                              targets=targets if has_targets else None, loss_fn=loss_fn,
-                              scaler=scaler)
-        sizes = self._agree_sizes(step, sizes, ["act", "grad"])
-        schedule = self.plan(len(sizes))
-        total = sum(sizes)
-        step.loss_weights = ([s / total for s in sizes] if loss_reduction == "mean"
-                             else [1.0] * len(sizes))
-        step.checkpoint_stop = checkpoint_stop(self._checkpoint, len(sizes))
-        step.split = schedule.split_backwards
-        step.handlers = handlers
-        self._last_actions = last_gradient_actions(schedule.actions[self._topology.stage],
-                                                   schedule)
-        self._run(schedule.actions, step, schedule)
-        loss = self._step_loss(step, len(sizes))
-        if self.chunk_search is not None and self.chunk_search.chosen is None:
-            self.chunk_search.record(len(sizes), total, time.perf_counter() - start)
-        if self._sync is not None:
-            self._sync.finish()
-        self._tied.sum_gradients()
-        if optimizer is not None and self._pipedream is None:
-            if scaler is not None:
-                amp.unscale_and_sync(scaler, optimizer, timeout=self._timeout)
-            step_optimizer(optimizer, scaler)
-        return loss
-
-    def _run(self, programs: Any, step: StepState, schedule: Schedule) -> None:
-        local = [self._stages[k] for k in self._local]
-        batchnorm.discard(local)
-        choosing = self._auto and step.train
-        if self._trace is not None or choosing:
-            step.recorder = StepRecorder(dist.get_world_size(self._group))
-        self._executor.run(programs, step, schedule)
-        batchnorm.commit(local)
-        if step.recorder is not None:
-            timeline = self._gather_timeline(step.recorder)
-            if self._trace is not None:
-                self._trace.timelines.append(timeline)
-            if choosing:  # every rank ranks the same gathered timeline: the same choice
-                self.auto_ranking = auto.rank(timeline, schedule)
-                self._schedule_name, self._auto = self.auto_ranking[0].name, False
-                if self._topology.rank == min(self._topology.owner):
-                    auto.log_choice(self.auto_ranking)
-
-    @contextlib.contextmanager
-    def trace(self) -> Iterator[Trace]:
-        """Record when every action of every rank started and ended, for the steps run inside
-        the block (every rank must enter it): ``t.timeline`` is the whole pipeline's measured
-        timeline, on every rank (see ``Pipe.trace``). Ranks on one machine share a clock; across
-        machines the lanes are aligned only as well as the machines' clocks are."""
-        trace = Trace()
-        self._trace = trace
-        try:
-            yield trace
-        finally:
-            self._trace = None
-
-    def _gather_timeline(self, recorder: StepRecorder) -> Any:
-        """Every rank's (start, end) of its actions, on one clock (a collective over the
-        pipeline group, bounded by the process group's timeout)."""
-        mine = (recorder.origin, list(recorder.intervals))  # CPU stages: no events pending
-        parts: List[Any] = [None] * dist.get_world_size(self._group)
-        dist.all_gather_object(parts, mine, group=self._group)
-        origin = min(o for o, _ in parts)
-        intervals = [(stage, action, start + o - origin, end + o - origin)
-                     for o, rows in parts for stage, action, start, end in rows]
-        return Timeline.from_intervals(recorder.num_stages, intervals, source="measured",
-                                       unit="s")
-
-    def _forward(self, inputs: Any) -> Optional[Any]:
-        sizes = self._local_sizes(inputs, None, False)
-        step = self._new_step(inputs if self._topology.local(0) else None, train=False)
-        step.grad_enabled = False
-        sizes = self._agree_sizes(step, sizes, ["act"])
-        schedule = self.plan(len(sizes))
-        self._last_actions = {}
-        self._run(schedule.forward_actions, step, schedule)
-        if not self._topology.local(len(self._stages) - 1):
-            return None
-        return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
-
-    def _local_sizes(self, inputs: Any, targets: Any, need_targets: bool) -> Optional[List[int]]:
-        """Micro-batch sizes from the batch this rank reads, checked before any work."""
-        sizes = None
-        if self._topology.local(0):
-            if inputs is None:
-                raise ValueError(f"inputs is None on rank {self._topology.rank}, which holds the "
-                                 f"first stage: pass the batch on this rank")
-            total = microbatch.batch_size(inputs, argument="inputs")
-            sizes = microbatch.split_sizes(total, self._step_chunks(total))
-        if targets is not None:
-            total = microbatch.batch_size(targets, argument="targets")
-            if sizes is not None and sum(sizes) != total:
-                raise ValueError(f"targets has batch size {total} but inputs has {sum(sizes)}; "
-                                 f"give one target per input sample")
-            sizes = microbatch.split_sizes(total, self._step_chunks(total), argument="targets")
-        elif need_targets:
-            raise ValueError(f"targets is None on rank {self._topology.rank}, which holds the "
-                             f"last stage: pass the targets on this rank")
-        return sizes
-
-    def _step_chunks(self, total: int) -> int:
-        """The micro-batch count this rank splits a batch of ``total`` into: ``chunks``, or
-        with ``chunks='auto'`` on the first stage's rank, the search's next count (the other
-        ranks take the count from the step's first message)."""
-        if not self._auto_chunks or not self._topology.local(0):
-            return min(self._chunks, total) if self._auto_chunks else self._chunks
-        if self.chunk_search is None:
-            self.chunk_search = self._new_chunk_search(total)
-        self._chunks = min(self.chunk_search.next(), total)
-        return self._chunks
-
-    def _new_step(self, inputs: Any, *, train: bool, **kwargs: Any) -> StepState:
-        for k in self._local:
-            self._stages[k].rng.reset()
-        self._steps += 1
-        step = StepState(stages=self._stages, inputs=[], train=train, seed=draw_step_seed(),
-                         checkpoint_stop=0, timeout=self._timeout,
-                         checkpoint_mode=self._checkpoint, **kwargs)
-        step.batch = inputs  # scattered once the micro-batch sizes are agreed
-        return step
-
-    def _agree_sizes(self, step: StepState, sizes: Optional[List[int]],
-                     kinds: List[str]) -> List[int]:
-        """Wire the step and start its receivers. A rank that does not read the batch learns
-        the micro-batch count and batch size from the first activation it receives (the header
-        of every message repeats them); a rank that reads the targets checks them against it."""
-        n = len(self._stages)
-        self._executor.wire(step, self.plan(self._chunks))
-
-        def links_for(m: int) -> Dict[int, Link]:
-            return links(flows(self._topology, self._local, n, {k: m for k in kinds},
-                               self._skips))
-
-        entry = min(self._local)
-        learned_from: Optional[int] = None
-        if entry > 0:
-            learned_from = self._topology.owner[entry - 1]
-            header = self._executor.learn_microbatches(learned_from, step)
-            learned = microbatch.split_sizes(header.batch_size, header.num_microbatches)
-            if not self._auto_chunks and learned != microbatch.split_sizes(header.batch_size,
-                                                                            self._chunks):
-                mine = len(microbatch.split_sizes(header.batch_size, self._chunks))
-                raise RuntimeError(f"rank {learned_from} split a batch of {header.batch_size} "
-                                   f"into {header.num_microbatches} micro-batches but this rank "
-                                   f"into {mine}: build the pipes with the same chunks on every "
-                                   f"rank")
-            if sizes is not None and sum(sizes) != header.batch_size:
-                raise ValueError(f"targets on rank {self._topology.rank} have batch size "
-                                 f"{sum(sizes)} but the inputs on rank {self._topology.owner[0]} "
-                                 f"have {header.batch_size}; give one target per input sample")
-            sizes = learned
-            if self._auto_chunks:
-                self._chunks = header.num_microbatches
-        assert sizes is not None
-        m = len(sizes)
-        self._executor.info.step, self._executor.info.num_microbatches = self._steps, m
-        self._executor.info.batch_size = sum(sizes)
-        self._executor.info.losses = step.losses  # filled by the last stage or by the headers
-        self._executor.expect(list(links_for(m).values()), learned_from)
-        if step.batch is not None:
-            step.inputs = microbatch.scatter(step.batch, sizes)
-        if step.targets is not None:
-            step.targets = microbatch.scatter(step.targets, sizes)
-        return sizes
-
-    def _step_loss(self, step: StepState, m: int) -> torch.Tensor:
-        """The step's loss on every rank: the last stage's rank computed the micro-batch losses,
-        the others received them in the headers of their gradients (averaged over replicas)."""
-        missing = [i for i in range(m) if i not in step.losses]
-        if missing:
-            raise PipelineError(f"rank {self._topology.rank}: the losses of micro-batches "
-                                f"{missing} never arrived with their gradients")
-        total = math.fsum(float(step.losses[i]) for i in range(m))  # the same sum everywhere
-        loss = torch.tensor(total, dtype=torch.float32, device=self._device)
-        if self._data_group is not None and dist.get_world_size(self._data_group) > 1:
-            work = dist.all_reduce(loss, group=self._data_group, async_op=True)
-            wait_work(work, self._timeout, "the data-parallel loss average", self._board)
-            loss /= dist.get_world_size(self._data_group)
-        return loss
-
-    def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
-        if self._sync is not None and action in self._last_actions:
-            self._sync.launch(stage.parameters(), f"stage {stage.index}")
-
     # ---------------------------------------------------------------- plain-module names
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load this rank's entries of a plain-model (or any rank's) state dict; entries of
@@ -448,14 +155,14 @@ class DistributedPipe(FrontDoor):
         missing = [k for k in local if k not in mine]
         if strict and missing:
             raise RuntimeError(f"the state dict lacks {len(missing)} entries of the layers on rank "
-                               f"{self._topology.rank}, e.g. {missing[:3]}; save it from the "
+                               f"{self._driver.topology.rank}, e.g. {missing[:3]}; save it from the "
                                f"plain model or gather every rank's state_dict()")
         return self.module.load_state_dict(mine, strict=False, assign=assign)
 
     def __repr__(self) -> str:
-        return (f"DistributedPipe(rank={self._topology.rank}, stages={list(self._local)}, "
-                f"balance={list(self._balance)}, chunks={self._chunks}, "
-                f"schedule={self._schedule_name!r}, checkpoint={self._checkpoint!r})")
+        return (f"DistributedPipe(rank={self._driver.topology.rank}, stages={list(self.stages)}, "
+                f"balance={list(self.balance)}, chunks={self._chunks}, "
+                f"schedule={self._schedule_name!r}, checkpoint={self.checkpoint!r})")
 
 
 # -------------------------------------------------------------------- construction helpers
@@ -569,12 +276,6 @@ def _resolve_device(device: Optional[Union[str, torch.device]], group: Any) -> t
         raise NotImplementedError(f"device={device!r}: DistributedPipe runs its stages on the "
                                   f"CPU for now (gloo sends CPU tensors); use device='cpu'")
     return resolved
-
-
-def _grad_sync(group: Optional[Any], board: Board, timeout: float) -> Optional[GradSync]:
-    if group is None or dist.get_world_size(group) == 1:
-        return None
-    return GradSync(group, board, timeout)
 
 
 def init_mesh(pipeline: int, data: int = 1, device_type: str = "cpu") -> Tuple[Any, Any]:

@@ -7,27 +7,21 @@ accumulating exactly the gradients that the unsplit module gives on the whole ba
 """
 from __future__ import annotations
 
-import contextlib
-import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from . import amp, batchnorm, microbatch, tied as tied_weights
-from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
-from .frontdoor import FrontDoor, check_step_arguments
-from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
-                        check_flag, check_module, check_timeout, check_virtual_stages, check_workers,
-                        default_partitions, resolve_devices, split)
-from .runtime import stash
+from . import tied as tied_weights
+from .frontdoor import FrontDoor, parse_layout
+from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_flag,
+                        check_module, check_workers, default_partitions, resolve_devices, split)
+from .runtime import graphs, stash
+from .runtime.inprocess import InProcessDriver
 from .runtime.stage import Stage
-from .skip import exchange as skip_exchange, layout as skip_layout
-from .runtime import adaptive, auto, graphs
-from .runtime.step import StepState
-from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
-from .schedule import Schedule
+from .skip import exchange as skip_exchange, layout as skip_layout
+
 
 class Pipe(FrontDoor):
     """A pipeline-parallel wrapper of an ``nn.Sequential``.
@@ -88,55 +82,46 @@ class Pipe(FrontDoor):
                  cuda_graphs: bool = False) -> None:
         super().__init__()
         module = check_module(module)
-        self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
-        self._chunks = 1 if self._auto_chunks else check_chunks(chunks)
-        object.__setattr__(self, "chunk_search", None)  # chunks='auto': an adaptive.ChunkSearch
-        self._checkpoint = check_mode(checkpoint)
-        self._timeout = check_timeout(timeout)
-        self._virtual = check_virtual_stages(virtual_stages)
+        layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
+                              deferred_batch_norm)
         workers = check_workers(cpu_workers)
-        deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
         use_graphs = check_flag(cuda_graphs, "cuda_graphs")
-        v = self._virtual
-        self._schedule_name = auto.check_name(schedule)
-        self._auto = self._schedule_name == "auto"
-        if self._auto:
-            self._schedule_name = auto.first_schedule(v)
-        object.__setattr__(self, "auto_ranking", None)
+        v = layout.virtual_stages
         if len(module) < v:
             raise ValueError(f"virtual_stages={v} needs at least {v} layers per device but the "
                              f"module has {len(module)}; lower virtual_stages")
         if balance is None:
             stages = max(1, min(default_partitions(module, devices), len(module) // v))
             balance = auto_balance(module, stages * v)
-        self._balance = tuple(check_balance(balance, module))
-        skips = skip_layout.plan(module, self._balance)  # raises for inconsistent skip names
+        layout = layout.with_balance(check_balance(balance, module))
+        skips = skip_layout.plan(module, layout.balance)  # raises for inconsistent skip names
         tie_groups = tied_weights.check(module, tied)
-        asynchronous = self._schedule_name == "pipedream"
+        asynchronous = layout.first_schedule == "pipedream"
         if check_flag(vertical_sync, "vertical_sync") and not asynchronous:
             raise ValueError(f"vertical_sync=True applies to schedule='pipedream' only, got "
                              f"schedule={schedule!r}")
-        num_stages = check_chunk_count(len(self._balance), v)
+        num_stages = check_chunk_count(len(layout.balance), v)
         self._devices = tuple(resolve_devices(devices, num_stages))
-        if self._auto_chunks:
-            self._chunks = adaptive.first_count(num_stages, self._accepts)
-        plan = self.plan(self._chunks)  # raises for a schedule that cannot run this layout
+        self._begin(layout)  # raises for a schedule that cannot run this layout
+        plan = self.plan(self._chunks)
         tied_weights.tie(module, tie_groups)
         self.module = module
-        parts = split(module, self._balance)
+        parts = split(module, layout.balance)
         where = [self._devices[plan.stage_of(k)[0]] for k in range(len(parts))]
         for part, device in zip(parts, where):
             part.to(device)
         object.__setattr__(self, "_partitions", nn.ModuleList(parts))
-        object.__setattr__(self, "_stages", [Stage(k, part, device, deferred_batch_norm=deferred)
-                                             for k, (part, device) in enumerate(zip(parts, where))])
-        tied_weights.bind(self._stages, tied_weights.find(module, self._balance))
+        object.__setattr__(self, "_stages", [
+            Stage(k, part, device, deferred_batch_norm=layout.deferred_batch_norm)
+            for k, (part, device) in enumerate(zip(parts, where))])
+        tied_weights.bind(self._stages, tied_weights.find(module, layout.balance))
         skip_exchange.wire(self._stages, skips)
         if use_graphs:
             graphs.enable(self._stages)
         self._pipedream = stash.PipeDream(self._stages, vertical_sync) if asynchronous else None
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
-        object.__setattr__(self, "_trace", None)
+        object.__setattr__(self, "_driver", InProcessDriver(self._stages, self._devices,
+                                                            self._workers, layout.timeout))
 
     # ---------------------------------------------------------------- read-only properties
     @property
@@ -159,149 +144,6 @@ class Pipe(FrontDoor):
         """Physical stages (``len(devices)``)."""
         return len(self._devices)
 
-    @contextlib.contextmanager
-    def trace(self) -> Iterator[Trace]:
-        """Record the real start and end of every action of the steps run inside the block.
-
-        ``with pipe.trace() as t: pipe.train_step(...)``; then ``t.timeline`` (the same format
-        the simulator returns), ``t.bubble_fraction`` and ``t.busy`` describe the last step.
-        """
-        trace = Trace()
-        object.__setattr__(self, "_trace", trace)
-        try:
-            yield trace
-        finally:
-            object.__setattr__(self, "_trace", None)
-
-    # ---------------------------------------------------------------- running
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                   *, loss_reduction: str = "mean", scaler: Optional[Any] = None,
-                   optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
-        """Forward and backward of one batch on the pipe's schedule; returns the (detached) loss.
-
-        Adds to every parameter's ``.grad`` what ``loss_fn(module(inputs), targets).backward()``
-        adds. ``loss_reduction='mean'`` weights each micro-batch's loss by its share of the batch
-        (exact for losses that average over the batch); ``'sum'`` adds them (for summed losses).
-        ``scaler``: a ``torch.amp.GradScaler``; each micro-batch's backward starts from its
-        scaled loss (the returned loss is unscaled); then ``scaler.step(optimizer)`` with one
-        optimizer over ``pipe.parameters()`` and ``scaler.update()``, or pass ``optimizer``
-        (see ``fastpipe.amp``).
-        ``optimizer``: stepped once after the backward (through ``scaler`` when given); it does
-        not zero the gradients: call ``optimizer.zero_grad()`` before each step as usual. Under
-        ``schedule='pipedream'`` it is required, and each stage steps it on its own parameters
-        after every micro-batch's backward, with that micro-batch's gradient (``.grad`` then
-        holds the last one); see ``fastpipe.runtime.stash`` for the exact semantics.
-        """
-        scaler = amp.check_scaler(scaler)
-        check_step_arguments(loss_fn, loss_reduction, optimizer, self._pipedream is not None,
-                             scaler)
-        total = microbatch.batch_size(inputs, argument="inputs")
-        target_total = microbatch.batch_size(targets, argument="targets")
-        if target_total != total:
-            raise ValueError(f"targets has batch size {target_total} but inputs has {total}; "
-                             f"give one target per input sample")
-        sizes = microbatch.split_sizes(total, self._step_chunks(total))
-        start = time.perf_counter()
-        schedule = self.plan(len(sizes))
-        weights = [s / total for s in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
-        step = self._new_step(microbatch.scatter(inputs, sizes), train=True, grad_enabled=True,
-                              stop=checkpoint_stop(self._checkpoint, len(sizes)),
-                              targets=microbatch.scatter(targets, sizes), loss_fn=loss_fn,
-                              loss_weights=weights, scaler=scaler)
-        step.split = schedule.split_backwards
-        if self._pipedream is not None:
-            step.handlers = self._pipedream.handlers(optimizer)
-        self._run(schedule.actions, step, schedule)
-        if optimizer is not None and self._pipedream is None:
-            stash.step_optimizer(optimizer, scaler)
-        self._measured(total, start)
-        return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
-
-    def forward(self, inputs: Any) -> Any:
-        """Run the batch through the stages (the forward actions of the pipe's schedule); the
-        output is on the last stage's device.
-
-        When grad is enabled the output is connected to every stage's parameters, so
-        ``loss_fn(pipe(x), y).backward()`` works as with the plain module (the backward then runs
-        in autograd's order, as in GPipe).
-        """
-        total = microbatch.batch_size(inputs, argument="inputs")
-        sizes = microbatch.split_sizes(total, self._chunks)
-        schedule = self.plan(len(sizes))
-        grad = torch.is_grad_enabled()
-        stop = checkpoint_stop(self._checkpoint, len(sizes)) if grad and self.training else 0
-        step = self._new_step(microbatch.scatter(inputs, sizes), train=False, grad_enabled=grad,
-                              stop=stop)
-        self._run(schedule.forward_actions, step, schedule)
-        return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
-
-    def evaluate(self, inputs: Any) -> Any:
-        """Inference: the forward pass in eval mode (dropout off, batch norms use their running
-        statistics) without autograd, so nothing is checkpointed, recomputed or kept for a
-        backward. The modules' train/eval modes are restored afterwards."""
-        modes = [(m, m.training) for m in self.modules()]
-        self.eval()
-        try:
-            with torch.no_grad():
-                return self(inputs)
-        finally:
-            for m, training in modes:
-                m.training = training
-
-    def _step_chunks(self, total: int) -> int:
-        """The micro-batch count of the next training step; ``chunks='auto'`` searches it."""
-        if self._auto_chunks and self.chunk_search is None:
-            search = self._new_chunk_search(total)
-            object.__setattr__(self, "chunk_search", search)
-            self._chunks = search.next()
-        return min(self._chunks, total) if self._auto_chunks else self._chunks
-
-    def _measured(self, total: int, start: float) -> None:
-        """``chunks='auto'``: report the step's time to the search, take its next count."""
-        search = self.chunk_search
-        if search is None or search.chosen is not None:
-            return
-        adaptive.wait_for(self._devices, self._timeout)
-        search.record(self._chunks, total, time.perf_counter() - start)
-        self._chunks = search.next()
-
-    def _run(self, programs: Sequence[Sequence[Any]], step: StepState, schedule: Schedule) -> None:
-        trace = self._trace
-        if trace is not None or (self._auto and step.train):
-            step.recorder = StepRecorder(len(self._devices))
-        _order_streams(self._stages, before=True)
-        batchnorm.discard(self._stages)
-        graphs.before_step(self._stages, step.train)
-        try:
-            self._workers.executor().run(programs, step, schedule)
-        finally:
-            _order_streams(self._stages, before=False)
-        graphs.after_step(self._stages)
-        batchnorm.commit(self._stages)
-        self._workers.observe(step)
-        if step.recorder is not None:
-            timeline = step.recorder.timeline(dict(enumerate(self._devices)), self._timeout)
-            if trace is not None:
-                trace.timelines.append(timeline)
-            if self._auto and step.train:
-                self._choose_schedule(timeline, schedule)
-
-    def _choose_schedule(self, timeline: Any, schedule: Schedule) -> None:
-        """``schedule='auto'``: rank the candidate schedules by simulated step time with the
-        costs measured in the first step, and run the fastest from now on."""
-        ranking = auto.rank(timeline, schedule)
-        object.__setattr__(self, "auto_ranking", ranking)
-        self._schedule_name, self._auto = ranking[0].name, False
-        auto.log_choice(ranking)
-
-    def _new_step(self, inputs: List[Any], *, train: bool, grad_enabled: bool, stop: int,
-                  **kwargs: Any) -> StepState:
-        for stage in self._stages:
-            stage.rng.reset()
-        return StepState(stages=self._stages, inputs=inputs, train=train, seed=draw_step_seed(),
-                         checkpoint_stop=stop, timeout=self._timeout, grad_enabled=grad_enabled,
-                         checkpoint_mode=self._checkpoint, **kwargs)
-
     # ---------------------------------------------------------------- plain-module names
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a plain module's state dict; tensors are copied onto each stage's device."""
@@ -314,25 +156,12 @@ class Pipe(FrontDoor):
     to = cuda = cpu = _deny_move  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        layout = ", ".join(f"{b}@{d}" for b, d in zip(self._balance, self._devices))
+        layout = ", ".join(f"{b}@{d}" for b, d in zip(self.balance, self._devices))
         return (f"Pipe(stages=[{layout}], chunks={self._chunks}, schedule={self._schedule_name!r}, "
-                f"checkpoint={self._checkpoint!r})")
+                f"checkpoint={self.checkpoint!r})")
 
     def __del__(self) -> None:
         workers = self.__dict__.get("_workers")
         if workers is not None:
             workers.shutdown()
-
-
-def _order_streams(stages: Sequence[Stage], *, before: bool) -> None:
-    """Order the stages' CUDA streams after the caller's work (parameters just updated by an
-    optimizer, inputs just made) before a step, and the caller's streams after the stages' work
-    (gradients, outputs) once it ends. A no-op for CPU stages."""
-    for stage in stages:
-        if stage.stream is not None:
-            caller = torch.cuda.current_stream(stage.device)
-            if before:
-                stage.stream.wait_stream(caller)
-            else:
-                caller.wait_stream(stage.stream)
 

@@ -1,0 +1,67 @@
+"""The driver of ``Pipe``: every stage in this process, run by worker threads.
+
+Around each step it orders the stages' CUDA streams after the caller's work and back, replays
+or captures CUDA graphs, and lets the worker policy pick the thread count of the next step.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .. import batchnorm
+from ..schedule import Action, Schedule
+from ..schedule.timeline import Timeline
+from . import adaptive, graphs
+from .driver import Driver
+from .stage import Stage
+from .step import StepState
+from .trace import StepRecorder
+from .workers import WorkerPolicy
+
+
+class InProcessDriver(Driver):
+    """Runs a step's programs on this process's worker threads."""
+
+    def __init__(self, stages: Sequence[Stage], devices: Sequence[torch.device],
+                 workers: WorkerPolicy, timeout: float) -> None:
+        self.stages = list(stages)
+        self.devices = tuple(devices)
+        self.workers = workers
+        self.timeout = timeout
+        self.local = list(range(len(self.stages)))
+
+    def run(self, programs: Sequence[Sequence[Action]], step: StepState,
+            schedule: Schedule) -> None:
+        order_streams(self.stages, before=True)
+        batchnorm.discard(self.stages)
+        graphs.before_step(self.stages, step.train)
+        try:
+            self.workers.executor().run(programs, step, schedule)
+        finally:
+            order_streams(self.stages, before=False)
+        graphs.after_step(self.stages)
+        batchnorm.commit(self.stages)
+        self.workers.observe(step)
+
+    def timeline(self, recorder: StepRecorder) -> Timeline:
+        return recorder.timeline(dict(enumerate(self.devices)), self.timeout)
+
+    def loss(self, step: StepState, num_microbatches: int) -> torch.Tensor:
+        return torch.stack([step.losses[i] for i in range(num_microbatches)]).sum()
+
+    def wait_for_devices(self) -> None:
+        adaptive.wait_for(self.devices, self.timeout)
+
+
+def order_streams(stages: Sequence[Any], *, before: bool) -> None:
+    """Order the stages' CUDA streams after the caller's work (parameters just updated by an
+    optimizer, inputs just made) before a step, and the caller's streams after the stages' work
+    (gradients, outputs) once it ends. A no-op for CPU stages."""
+    for stage in stages:
+        if stage.stream is not None:
+            caller = torch.cuda.current_stream(stage.device)
+            if before:
+                stage.stream.wait_stream(caller)
+            else:
+                caller.wait_stream(stage.stream)

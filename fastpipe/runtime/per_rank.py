@@ -1,0 +1,185 @@
+"""The driver of ``DistributedPipe``: this rank's stages, the others' over ``torch.distributed``.
+
+Per step it agrees the micro-batch sizes with the other ranks (a rank that does not read the
+batch learns them from its first message), runs this rank's program through the distributed
+executor, averages gradients over data-parallel replicas, sums the gradients of weights tied
+across ranks, and turns any failure into one that every rank of the pipeline sees.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import amp, batchnorm, microbatch
+from ..errors import PipelineAborted, PipelineError
+from ..schedule import Action, Schedule
+from ..schedule.timeline import Timeline
+from .board import Board, wait_work
+from .dist_executor import DistributedExecutor, Topology, flows, last_gradient_actions, links
+from .driver import Driver
+from .grad_sync import GradSync
+from .p2p import Kinds
+from .step import StepState
+from .tied_sync import TiedSync
+from .trace import StepRecorder
+
+_instances = itertools.count()  # ranks build their pipes in the same order: same ids everywhere
+
+
+class RemoteStage:
+    """Stands for a virtual stage another rank holds (the handlers only read its index and
+    the device its messages are staged on)."""
+
+    def __init__(self, index: int, device: torch.device) -> None:
+        self.index = index
+        self.device = device
+
+
+class PerRankDriver(Driver):
+    """Runs this rank's share of every step and keeps the ranks in agreement."""
+
+    def __init__(self, topology: Topology, stages: Sequence[Any], skips: Dict[int, Any],
+                 skip_names: Sequence[str], data_group: Optional[Any], shared: Sequence[Any],
+                 timeout: float) -> None:
+        self.topology = topology
+        self.stages = list(stages)
+        self.local = [k for k, owner in enumerate(topology.owner) if owner == topology.rank]
+        self.skips = skips
+        self.timeout = timeout
+        self.searches_chunks = topology.local(0)
+        self.shows_next_count = False
+        self.reports = topology.rank == min(topology.owner)
+        self.board = Board(f"pipe{next(_instances)}", topology.rank)
+        self.executor = DistributedExecutor(topology, self.board, self._after_action,
+                                            Kinds(skip_names), skips)
+        self.data_group = data_group
+        self.grad_sync = (GradSync(data_group, self.board, timeout) if data_group is not None
+                          and dist.get_world_size(data_group) > 1 else None)
+        self.tied = TiedSync(shared, topology.owner, topology.group, topology.device, self.board,
+                             timeout)
+        self.steps = 0
+        self.broken: Optional[str] = None
+        self.last_actions: Dict[Any, int] = {}
+
+    # ---------------------------------------------------------------- failures
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Refuse a step after a failed one; after any failure, tell the other ranks (unless
+        they told this one) and refuse further steps (the peers' message streams are no longer
+        in step with this rank's)."""
+        if self.broken is not None:
+            raise PipelineError(f"a previous step of this DistributedPipe failed ({self.broken}"
+                                f"); the ranks' message streams are out of step: destroy the "
+                                f"process group and build new pipes")
+        try:
+            yield
+        except BaseException as error:
+            if self.broken is None:
+                self.broken = f"{type(error).__name__}: {error}"
+            if not isinstance(error, PipelineAborted):  # else another rank told everyone
+                self.executor.fail(f"rank {self.topology.rank} (stage {self.topology.stage}) "
+                                   f"failed: {type(error).__name__}: {error}")
+            raise
+
+    def forward_grad_mode(self) -> Any:
+        return torch.no_grad()
+
+    def check_present(self, inputs: Any, targets: Any, reads_targets: bool) -> None:
+        if self.topology.local(0) and inputs is None:
+            raise ValueError(f"inputs is None on rank {self.topology.rank}, which holds the "
+                             f"first stage: pass the batch on this rank")
+        if reads_targets and targets is None:
+            raise ValueError(f"targets is None on rank {self.topology.rank}, which holds the "
+                             f"last stage: pass the targets on this rank")
+
+    # ---------------------------------------------------------------- one step
+    def agree(self, step: StepState, sizes: Optional[List[int]], train: bool,
+              chunks: Optional[int], schedule: Schedule) -> List[int]:
+        """Wire the step and start its receivers. A rank that does not read the batch learns
+        the micro-batch count and batch size from the first activation it receives (the header
+        of every message repeats them); a rank that reads the targets checks them against it."""
+        self.steps += 1
+        self.executor.wire(step, schedule)
+        learned_from: Optional[int] = None
+        entry = min(self.local)
+        if entry > 0:
+            learned_from = self.topology.owner[entry - 1]
+            sizes = self._learn(step, learned_from, sizes, chunks)
+        assert sizes is not None
+        info = self.executor.info
+        info.step, info.num_microbatches, info.batch_size = self.steps, len(sizes), sum(sizes)
+        info.losses = step.losses  # filled by the last stage or by the headers
+        kinds = ["act", "grad"] if train else ["act"]
+        found = flows(self.topology, self.local, len(self.stages),
+                      {k: len(sizes) for k in kinds}, self.skips)
+        self.executor.expect(list(links(found).values()), learned_from)
+        return sizes
+
+    def _learn(self, step: StepState, src: int, sizes: Optional[List[int]],
+               chunks: Optional[int]) -> List[int]:
+        header = self.executor.learn_microbatches(src, step)
+        learned = microbatch.split_sizes(header.batch_size, header.num_microbatches)
+        if chunks is not None and learned != microbatch.split_sizes(header.batch_size, chunks):
+            mine = len(microbatch.split_sizes(header.batch_size, chunks))
+            raise RuntimeError(f"rank {src} split a batch of {header.batch_size} into "
+                               f"{header.num_microbatches} micro-batches but this rank into "
+                               f"{mine}: build the pipes with the same chunks on every rank")
+        if sizes is not None and sum(sizes) != header.batch_size:
+            raise ValueError(f"targets on rank {self.topology.rank} have batch size "
+                             f"{sum(sizes)} but the inputs on rank {self.topology.owner[0]} "
+                             f"have {header.batch_size}; give one target per input sample")
+        return learned
+
+    def run(self, programs: Sequence[Sequence[Action]], step: StepState,
+            schedule: Schedule) -> None:
+        local = [self.stages[k] for k in self.local]
+        self.last_actions = (last_gradient_actions(schedule.actions[self.topology.stage],
+                                                   schedule) if step.train else {})
+        batchnorm.discard(local)
+        self.executor.run(programs, step, schedule)
+        batchnorm.commit(local)
+
+    def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
+        if self.grad_sync is not None and action in self.last_actions:
+            self.grad_sync.launch(stage.parameters(), f"stage {stage.index}")
+
+    def timeline(self, recorder: StepRecorder) -> Timeline:
+        """Every rank's (start, end) of its actions, on one clock (a collective over the
+        pipeline group, bounded by the process group's timeout)."""
+        mine = (recorder.origin, list(recorder.intervals))  # CPU stages: no events pending
+        parts: List[Any] = [None] * dist.get_world_size(self.topology.group)
+        dist.all_gather_object(parts, mine, group=self.topology.group)
+        origin = min(o for o, _ in parts)
+        intervals = [(stage, action, start + o - origin, end + o - origin)
+                     for o, rows in parts for stage, action, start, end in rows]
+        return Timeline.from_intervals(recorder.num_stages, intervals, source="measured",
+                                       unit="s")
+
+    def loss(self, step: StepState, num_microbatches: int) -> torch.Tensor:
+        """The step's loss on every rank: the last stage's rank computed the micro-batch losses,
+        the others received them in the headers of their gradients (averaged over replicas)."""
+        missing = [i for i in range(num_microbatches) if i not in step.losses]
+        if missing:
+            raise PipelineError(f"rank {self.topology.rank}: the losses of micro-batches "
+                                f"{missing} never arrived with their gradients")
+        total = math.fsum(float(step.losses[i]) for i in range(num_microbatches))
+        loss = torch.tensor(total, dtype=torch.float32, device=self.topology.device)
+        if self.data_group is not None and dist.get_world_size(self.data_group) > 1:
+            work = dist.all_reduce(loss, group=self.data_group, async_op=True)
+            wait_work(work, self.timeout, "the data-parallel loss average", self.board)
+            loss /= dist.get_world_size(self.data_group)
+        return loss
+
+    def sync_gradients(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        self.tied.sum_gradients()
+
+    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
+        if scaler is not None:
+            amp.unscale_and_sync(scaler, optimizer, timeout=self.timeout)
