@@ -120,10 +120,10 @@ class DistributedPipe(FrontDoor):
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
         object.__setattr__(self, "_stages", stages)
-        local = {k: plan for k, plan in skips.items() if owner[k] == rank}
-        skip_exchange.wire(stages, local)
-        names = sorted({name for plan in skips.values() for name, _ in plan.sends})
-        self._driver = PerRankDriver(topology, stages, local, names, data_parallel_group,
+        local_skips = {k: where for k, where in skips.items() if owner[k] == rank}
+        skip_exchange.wire(stages, local_skips)
+        names = sorted({name for where in skips.values() for name, _ in where.sends})
+        self._driver = PerRankDriver(topology, stages, local_skips, names, data_parallel_group,
                                      shared, layout.timeout)
         self._pipedream = (stash.PipeDream(stages) if self._schedule_name == "pipedream"
                            else None)

@@ -417,6 +417,22 @@ def deferred_batch_norm(steps: int = 3) -> Dict:
     return {"buffers": names}
 
 
+def evaluate() -> Dict:
+    """pipe.evaluate(x): eval mode (running statistics, no dropout) without autograd on every
+    rank, the output on the last stage's rank, the training mode restored afterwards."""
+    plain = bn_model()
+    pipe = DistributedPipe(bn_model(), chunks=3, balance=[3, 3], deferred_batch_norm=True,
+                           timeout=30)
+    x, y = data(11)
+    pipe.train_step(x, y, nn.functional.mse_loss)  # moves the running statistics
+    plain(x)  # the same update, from the whole batch
+    out = pipe.evaluate(x)
+    if out is not None:
+        torch.testing.assert_close(out, plain.eval()(x).detach(), **TOL)
+        assert not out.requires_grad
+    return {"has_output": out is not None, "training": pipe.training}
+
+
 class InfGrad(nn.Module):
     """Identity whose backward turns every gradient into inf while ``armed``."""
 
@@ -547,7 +563,7 @@ CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, f
                                  auto_chunks, auto_schedule, traced, pipedream,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
-                                 skip_connections, several)}
+                                 skip_connections, evaluate, several)}
 
 
 def main() -> None:

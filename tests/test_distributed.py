@@ -75,6 +75,13 @@ def test_training_features_across_processes():
     assert "auto" not in results[0]["auto_schedule"]["names"]
 
 
+def test_evaluate_across_processes():
+    """evaluate(): the shared front-door lifecycle gives DistributedPipe Pipe's inference."""
+    results = assert_all_ok(launch("evaluate", 2, limit=120))
+    assert [r["has_output"] for r in results] == [False, True]
+    assert all(r["training"] for r in results)
+
+
 def test_four_ranks_every_schedule_and_skips_across_ranks():
     assert_all_ok(launch("several", 4, limit=300, args={"cases": [
         ["transparency", {"schedules": EVERY_SCHEDULE_4, "batches": [13]}],
