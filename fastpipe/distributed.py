@@ -155,8 +155,8 @@ class DistributedPipe(FrontDoor):
         missing = [k for k in local if k not in mine]
         if strict and missing:
             raise RuntimeError(f"the state dict lacks {len(missing)} entries of the layers on rank "
-                               f"{self._driver.topology.rank}, e.g. {missing[:3]}; save it from the "
-                               f"plain model or gather every rank's state_dict()")
+                               f"{self._driver.topology.rank}, e.g. {missing[:3]}; save it from "
+                               f"the plain model or gather every rank's state_dict()")
         return self.module.load_state_dict(mine, strict=False, assign=assign)
 
     def __repr__(self) -> str:
