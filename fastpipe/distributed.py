@@ -120,11 +120,9 @@ class DistributedPipe(FrontDoor):
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
         object.__setattr__(self, "_stages", stages)
-        local_skips = {k: where for k, where in skips.items() if owner[k] == rank}
-        skip_exchange.wire(stages, local_skips)
-        names = sorted({name for where in skips.values() for name, _ in where.sends})
-        self._driver = PerRankDriver(topology, stages, local_skips, names, data_parallel_group,
-                                     shared, layout.timeout)
+        self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
+                                     layout.timeout)
+        skip_exchange.wire(stages, self._driver.skips)
         self._pipedream = (stash.PipeDream(stages) if self._schedule_name == "pipedream"
                            else None)
         _check_asynchronous(self._pipedream, data_parallel_group, self._driver.tied)

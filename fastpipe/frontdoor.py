@@ -278,7 +278,7 @@ class FrontDoor(nn.Module):
                          grad_enabled=grad_enabled, checkpoint_mode=self.layout.checkpoint,
                          **kwargs)
         sizes = self._driver.agree(step, sizes, train,
-                                   None if self.layout.auto_chunks else self._chunks, self.plan())
+                                   None if self.layout.auto_chunks else self._chunks, self.plan)
         if self.layout.auto_chunks and not self._driver.searches_chunks:
             self._chunks = len(sizes)  # the count the first stage's rank announced
         if 0 in local:

@@ -9,7 +9,7 @@ The defaults here are those of a driver that runs every stage itself.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Sequence
 
 import torch
 
@@ -45,11 +45,11 @@ class Driver:
         """Checks, before any work, that this process was given what it reads."""
 
     def agree(self, step: StepState, sizes: Optional[List[int]], train: bool,
-              chunks: Optional[int], schedule: Schedule) -> List[int]:
+              chunks: Optional[int], plan: Callable[..., Schedule]) -> List[int]:
         """The step's micro-batch sizes, agreed by every process (``sizes``: those this
         process computed from its batch, ``None`` when it reads none; ``chunks``: the fixed
-        count, ``None`` under ``chunks='auto'``; ``schedule``: the current count's), and the
-        step wired for them."""
+        count, ``None`` under ``chunks='auto'``; ``plan(m)``: the schedule of ``m``
+        micro-batches, of the current count without ``m``), and the step wired for them."""
         assert sizes is not None
         return sizes
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,19 +44,19 @@ class PerRankDriver(Driver):
     """Runs this rank's share of every step and keeps the ranks in agreement."""
 
     def __init__(self, topology: Topology, stages: Sequence[Any], skips: Dict[int, Any],
-                 skip_names: Sequence[str], data_group: Optional[Any], shared: Sequence[Any],
-                 timeout: float) -> None:
+                 data_group: Optional[Any], shared: Sequence[Any], timeout: float) -> None:
         self.topology = topology
         self.stages = list(stages)
         self.local = [k for k, owner in enumerate(topology.owner) if owner == topology.rank]
-        self.skips = skips
+        self.skips = {k: where for k, where in skips.items() if k in self.local}
+        names = sorted({name for where in skips.values() for name, _ in where.sends})
         self.timeout = timeout
         self.searches_chunks = topology.local(0)
         self.shows_next_count = False
         self.reports = topology.rank == min(topology.owner)
         self.board = Board(f"pipe{next(_instances)}", topology.rank)
         self.executor = DistributedExecutor(topology, self.board, self._after_action,
-                                            Kinds(skip_names), skips)
+                                            Kinds(names), self.skips)
         self.data_group = data_group
         self.grad_sync = (GradSync(data_group, self.board, timeout) if data_group is not None
                           and dist.get_world_size(data_group) > 1 else None)
@@ -99,12 +99,12 @@ class PerRankDriver(Driver):
 
     # ---------------------------------------------------------------- one step
     def agree(self, step: StepState, sizes: Optional[List[int]], train: bool,
-              chunks: Optional[int], schedule: Schedule) -> List[int]:
+              chunks: Optional[int], plan: Callable[..., Schedule]) -> List[int]:
         """Wire the step and start its receivers. A rank that does not read the batch learns
         the micro-batch count and batch size from the first activation it receives (the header
         of every message repeats them); a rank that reads the targets checks them against it."""
         self.steps += 1
-        self.executor.wire(step, schedule)
+        self.executor.wire(step, plan())
         learned_from: Optional[int] = None
         entry = min(self.local)
         if entry > 0:
