@@ -26,9 +26,9 @@ from torch import nn
 
 from . import amp, batchnorm, microbatch, tied as tied_weights
 from .runtime import adaptive, auto
-from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
-from .errors import PipelineAborted, PipelineError
-from .frontdoor import FrontDoor, check_step_arguments
+from .checkpoint import checkpoint_stop, draw_step_seed
+from .errors import PipelineAborted, PipelineError, ProcessGroupError
+from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
                         check_virtual_stages)
 from .runtime.board import Board, wait_work
@@ -108,7 +108,7 @@ class DistributedPipe(FrontDoor):
                  tied: Sequence[Sequence[Any]] = ()) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DistributedPipe needs torch.distributed: call "
+            raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (under torchrun the "
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
@@ -118,7 +118,7 @@ class DistributedPipe(FrontDoor):
         tie_groups = _check_tied(module, tied)
         self._chunks = 1 if self._auto_chunks else check_chunks(chunks)
         self.chunk_search: Optional[adaptive.ChunkSearch] = None  # chunks='auto', first rank
-        self._checkpoint = check_mode(checkpoint)
+        self._checkpoint = check_checkpoint(checkpoint)
         self._timeout = check_timeout(timeout)
         self._virtual = check_virtual_stages(virtual_stages)
         self._schedule_name = auto.check_name(schedule)
@@ -428,7 +428,7 @@ class DistributedPipe(FrontDoor):
             raise PipelineError(f"rank {self._topology.rank}: the losses of micro-batches "
                                 f"{missing} never arrived with their gradients")
         total = math.fsum(float(step.losses[i]) for i in range(m))  # the same sum everywhere
-        loss = torch.tensor(total, dtype=torch.float32, device=self._device)
+        loss = torch.tensor(total, dtype=step.losses[0].dtype, device=self._device)
         if self._data_group is not None and dist.get_world_size(self._data_group) > 1:
             work = dist.all_reduce(loss, group=self._data_group, async_op=True)
             wait_work(work, self._timeout, "the data-parallel loss average", self._board)

@@ -14,7 +14,8 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
-from . import microbatch
+from . import microbatch, selective
+from .checkpoint import check_mode
 from .runtime import adaptive
 from .runtime.stash import check_optimizer_argument
 from .schedule import Schedule, get_schedule
@@ -30,6 +31,15 @@ def validated_schedule(name: str, num_stages: int, num_microbatches: int,
     schedule = get_schedule(name, num_stages, num_microbatches, virtual_stages=virtual_stages)
     schedule.validate(comm="buffered")
     return schedule
+
+
+def check_checkpoint(mode: Any) -> str:
+    """The checkpoint mode, checked; its one-time set-up (imports torch's selective-checkpoint
+    machinery) happens here, so that the first step's timeout measures the step alone."""
+    mode = check_mode(mode)
+    if mode == selective.MODE:
+        selective.prepare()
+    return mode
 
 
 def check_step_arguments(loss_fn: Any, loss_reduction: Any, optimizer: Any,

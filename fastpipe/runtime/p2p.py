@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .hop import Parcel
 from .mailbox import Mailbox
-from .wire import HEADER_LEN, Header, Meta, layouts_of, pack, unpack
+from .wire import HEADER_LEN, LOSS_DTYPES, Header, Meta, layouts_of, pack, unpack
 
 # fastpipe's tags, apart from a user's own small ones: headers, metadata, payloads. Each is a
 # first-in first-out stream per pair of ranks (gloo matches receives to sends by tag, in order).
@@ -86,9 +86,13 @@ class StepInfo:
     batch_size: int = 0
     losses: Dict[int, Any] = field(default_factory=dict)  # micro-batch -> 0-dim tensor
 
-    def loss(self, microbatch: int) -> float:
+    def loss(self, microbatch: int) -> Tuple[float, torch.dtype]:
+        """The micro-batch's loss as a number and its dtype (NaN when not known here)."""
         value = self.losses.get(microbatch)
-        return math.nan if value is None else float(value)
+        if value is None:
+            return math.nan, torch.float32
+        dtype = value.dtype if value.dtype in LOSS_DTYPES else torch.float32
+        return float(value), dtype
 
 
 @dataclass
@@ -133,11 +137,12 @@ class Outbox:
         new_meta = self._sent_meta.get(kind) != meta
         meta_data = meta.encode().to(self.device) if new_meta else None
         payload = pack(tensors)
+        loss, loss_dtype = self.info.loss(mb) if kind == "grad" else (math.nan, torch.float32)
         header = Header(self.kinds.index(kind), mb, self.virtual_stage,
                         self.info.num_microbatches, self.info.batch_size,
                         0 if meta_data is None else meta_data.numel(),
                         0 if payload is None else payload.numel() * payload.element_size(),
-                        self.info.step, self.info.loss(mb) if kind == "grad" else math.nan)
+                        self.info.step, loss, loss_dtype)
         what = f"{kind} of micro-batch {mb} to stage {self.virtual_stage} on rank {self.rank}"
         self._isend(header.encode().to(self.device), HEADER_TAG, what)
         if meta_data is not None:
@@ -242,7 +247,8 @@ class Inbox:
                              f"all ranks build the same model (same skip connections, stages)?")
         key, message = self._message(header, early, timeout)
         if key[0] == "grad" and not math.isnan(header.loss):
-            self.info.losses.setdefault(header.microbatch, torch.tensor(header.loss))
+            self.info.losses.setdefault(header.microbatch,
+                                        torch.tensor(header.loss, dtype=header.loss_dtype))
         if self.remaining is not None:
             self.remaining -= 1
             if self.remaining > 0:
