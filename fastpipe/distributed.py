@@ -27,7 +27,7 @@ from torch import nn
 from . import amp, batchnorm, microbatch, tied as tied_weights
 from .runtime import adaptive, auto
 from .checkpoint import checkpoint_stop, draw_step_seed
-from .errors import PipelineAborted, PipelineError, ProcessGroupError
+from .errors import PeerLost, PipelineAborted, PipelineError, ProcessGroupError
 from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
                         check_virtual_stages)
@@ -162,7 +162,7 @@ class DistributedPipe(FrontDoor):
         self._skips = {k: plan for k, plan in skips.items() if k in self._local}
         skip_exchange.wire(stages, self._skips)
         names = sorted({name for plan in skips.values() for name, _ in plan.sends})
-        self._board = Board(f"pipe{next(_instances)}", rank)
+        self._board = Board(f"pipe{next(_instances)}", rank, ranks=ranks)
         self._executor = DistributedExecutor(self._topology, self._board, self._after_action,
                                              Kinds(names), self._skips)
         self._sync = _grad_sync(data_parallel_group, self._board, self._timeout)
@@ -233,6 +233,9 @@ class DistributedPipe(FrontDoor):
         further steps (the peers' message streams are no longer in step with this rank's)."""
         if self._broken is None:
             self._broken = f"{type(error).__name__}: {error}"
+        if isinstance(error, PeerLost):  # a rank that exited or never started tells no one
+            self._executor.fail(error.culprit)
+            return
         if isinstance(error, PipelineAborted):
             return  # another rank failed first and told everyone
         self._executor.fail(f"rank {self._topology.rank} (stage {self._topology.stage}) "
@@ -268,6 +271,7 @@ class DistributedPipe(FrontDoor):
         self._last_actions = last_gradient_actions(schedule.actions[self._topology.stage],
                                                    schedule)
         self._run(schedule.actions, step, schedule)
+        self._executor.confirm_step(self._timeout)  # no rank keeps a step another did not finish
         loss = self._step_loss(step, len(sizes))
         if self.chunk_search is not None and self.chunk_search.chosen is None:
             self.chunk_search.record(len(sizes), total, time.perf_counter() - start)
@@ -370,6 +374,7 @@ class DistributedPipe(FrontDoor):
         for k in self._local:
             self._stages[k].rng.reset()
         self._steps += 1
+        self._board.liveness.at(self._steps, "starting the step")
         step = StepState(stages=self._stages, inputs=[], train=train, seed=draw_step_seed(),
                          checkpoint_stop=0, timeout=self._timeout,
                          checkpoint_mode=self._checkpoint, **kwargs)

@@ -55,3 +55,15 @@ def describe(error: BaseException) -> str:
 
 class PipelineAborted(PipelineError):
     """A stage stopped because another stage of the same step failed first."""
+
+
+class PeerLost(PipelineAborted):
+    """A rank stopped because another rank of the pipeline exited, froze or never started.
+
+    ``culprit`` is the sentence naming that rank and what it was doing, which this rank posts
+    for every other rank to report.
+    """
+
+    def __init__(self, message: str, *, culprit: str) -> None:
+        super().__init__(message)
+        self.culprit = culprit

@@ -114,6 +114,33 @@ def test_a_killed_rank_never_leaves_the_others_hanging():
     assert survivor["seconds"] < 10.0 and "rank 1" in survivor["message"]
 
 
+@pytest.mark.parametrize("kind", ["never", "never_exit"])
+def test_a_rank_that_never_builds_its_pipe_is_named_by_every_other_rank(kind):
+    results = launch("blame", 3, limit=120, args={"kind": kind, "failing_rank": 2})
+    for r in results[:2]:
+        assert r.result is not None and r.result["error"] is not None, describe(results)
+        assert "rank 2 never built its pipe" in r.result["message"], describe(results)
+        assert r.result["seconds"] < 10.0 and r.result["untouched"], describe(results)
+
+
+@pytest.mark.parametrize("world,failing,schedule", [(2, 0, "zb-h1"), (3, 1, "1f1b")])
+def test_a_rank_exiting_mid_step_fails_that_step_on_every_rank(world, failing, schedule):
+    """The dying rank's last backward comes after its peers ran all their actions: they must
+    still fail in this step (not return a loss, not step the optimizer), naming it."""
+    results = launch("blame", world, limit=120, args={
+        "kind": "die_in_backward", "failing_rank": failing, "schedule": schedule})
+    assert results[failing].returncode == 19, describe(results)
+    for r in results:
+        if r.rank == failing:
+            continue
+        assert r.result is not None and r.result["error"] is not None, describe(results)
+        message = r.result["message"]
+        assert f"rank {failing} stopped responding" in message or \
+            f"rank {failing} exited" in message, describe(results)
+        assert "during step 1" in message and r.result["untouched"], describe(results)
+        assert r.result["seconds"] < 10.0, describe(results)
+
+
 def test_mismatched_targets_fail_before_any_backward_on_every_rank():
     results = launch("bad_targets", 2, limit=120)
     assert all(r.result is not None for r in results), describe(results)

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..errors import PipelineError
 from .hop import Parcel
 from .mailbox import Mailbox
 from .wire import HEADER_LEN, LOSS_DTYPES, Header, Meta, layouts_of, pack, unpack
@@ -27,6 +28,23 @@ from .wire import HEADER_LEN, LOSS_DTYPES, Header, Meta, layouts_of, pack, unpac
 # first-in first-out stream per pair of ranks (gloo matches receives to sends by tag, in order).
 HEADER_TAG, META_TAG, PAYLOAD_TAG = 0x3F00, 0x3F01, 0x3F02
 Key = Tuple[Any, ...]  # a mailbox key: ("act", mb), ("grad", mb), ("skip", name, mb), ...
+
+
+class TransportError(PipelineError):
+    """Posting a send or a receive to ``peer`` failed in ``torch.distributed`` (its connection
+    closed, say); the executor names the rank responsible from the liveness records."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+def _posted(call: Any, peer: int, what: str) -> Any:
+    """``call()`` (a ``dist.isend``/``irecv``), its errors raised as ``TransportError``."""
+    try:
+        return call()
+    except RuntimeError as error:
+        raise TransportError(f"{what} with rank {peer} failed: {error}", peer) from error
 
 
 class Kinds:
@@ -157,7 +175,8 @@ class Outbox:
             self._sent_meta[kind] = meta
 
     def _isend(self, part: torch.Tensor, tag: int, what: str) -> None:
-        work = dist.isend(part, self.rank, group=self.transport.group, tag=tag)
+        work = _posted(lambda: dist.isend(part, self.rank, group=self.transport.group, tag=tag),
+                       self.rank, f"sending the {what}")
         self.log.add(work, [part], what)
 
     def has(self, key: Any) -> bool:  # pragma: no cover - remote stages are never polled
@@ -267,7 +286,8 @@ class Inbox:
         self._posted = (work, buffer, early)
 
     def _post(self, buffer: torch.Tensor, tag: int) -> Any:
-        return dist.irecv(buffer, self.src_rank, group=self.transport.group, tag=tag)
+        return _posted(lambda: dist.irecv(buffer, self.src_rank, group=self.transport.group,
+                                          tag=tag), self.src_rank, "posting a receive")
 
     def _recv(self, buffer: torch.Tensor, tag: int, timeout: float) -> None:
         self._post(buffer, tag).wait(datetime.timedelta(seconds=timeout))
