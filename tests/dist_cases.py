@@ -83,6 +83,28 @@ def transparency(schedules: List[List[Any]], batches: List[int], chunks: int = 4
     return {"worst": worst}
 
 
+def loss_checks() -> Dict:
+    """A float64 model's loss comes back as float64 on every rank, equal to the plain model's;
+    then a detached loss fails the step on every rank before any gradient is written (the last
+    rank raises LossFunctionError, the others stop)."""
+    plain = model().double()
+    x, y = data(10)
+    x, y = x.double(), y.double()
+    ref_loss, ref = reference_grads(plain, x, y)
+    pipe = DistributedPipe(model().double(), chunks=3, timeout=30)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
+    check_grads(pipe, ref, "float64")
+    fresh = DistributedPipe(model(), chunks=3, timeout=30)
+    try:
+        fresh.train_step(*data(10), lambda o, t: nn.functional.mse_loss(o, t).detach())
+        error = None
+    except Exception as caught:  # noqa: BLE001 - reported to the test
+        error = type(caught).__name__
+    return {"dtype": str(loss.dtype), "detached": error,
+            "untouched": all(p.grad is None for p in fresh.parameters())}
+
+
 def data_parallel(schedule: str = "1f1b", steps: int = 2) -> Dict:
     """Pipeline 2 x data 2: gradients equal the plain model's on the global batch, over steps
     with an optimizer (so replicas must stay identical)."""
@@ -595,6 +617,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
+                                 loss_checks,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
                                  auto_chunks, auto_schedule, traced, pipedream,
                                  meta_and_factories, tied_weights,
