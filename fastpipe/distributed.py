@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import tied as tied_weights
+from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
 from .placement import auto_balance, check_balance
 from .runtime import stash
@@ -82,7 +83,7 @@ class DistributedPipe(FrontDoor):
                  tied: Sequence[Sequence[Any]] = ()) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DistributedPipe needs torch.distributed: call "
+            raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (under torchrun the "
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import amp, microbatch
+from . import amp, microbatch, selective
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import check_chunks, check_flag, check_timeout, check_virtual_stages
 from .runtime import adaptive, auto
@@ -64,7 +64,7 @@ def parse_layout(chunks: Any, checkpoint: Any, schedule: Any, virtual_stages: An
     """The arguments both front doors take, checked (a typed error naming the argument)."""
     auto_chunks = isinstance(chunks, str) and chunks == "auto"
     return Layout(chunks=1 if auto_chunks else check_chunks(chunks), auto_chunks=auto_chunks,
-                  checkpoint=check_mode(checkpoint), schedule=auto.check_name(schedule),
+                  checkpoint=check_checkpoint(checkpoint), schedule=auto.check_name(schedule),
                   virtual_stages=check_virtual_stages(virtual_stages),
                   timeout=check_timeout(timeout),
                   deferred_batch_norm=check_flag(deferred_batch_norm, "deferred_batch_norm"))
@@ -78,6 +78,15 @@ def validated_schedule(name: str, num_stages: int, num_microbatches: int,
     schedule = get_schedule(name, num_stages, num_microbatches, virtual_stages=virtual_stages)
     schedule.validate(comm="buffered")
     return schedule
+
+
+def check_checkpoint(mode: Any) -> str:
+    """The checkpoint mode, checked; its one-time set-up (imports torch's selective-checkpoint
+    machinery) happens here, so that the first step's timeout measures the step alone."""
+    mode = check_mode(mode)
+    if mode == selective.MODE:
+        selective.prepare()
+    return mode
 
 
 def check_step_arguments(loss_fn: Any, loss_reduction: Any, optimizer: Any,

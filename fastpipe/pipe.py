@@ -15,7 +15,8 @@ from torch import nn
 from . import tied as tied_weights
 from .frontdoor import FrontDoor, parse_layout
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_flag,
-                        check_module, check_workers, default_partitions, resolve_devices, split)
+                        check_materialised, check_module, check_workers, default_partitions,
+                        resolve_devices, split)
 from .runtime import graphs, stash
 from .runtime.inprocess import InProcessDriver
 from .runtime.stage import Stage
@@ -82,6 +83,7 @@ class Pipe(FrontDoor):
                  cuda_graphs: bool = False) -> None:
         super().__init__()
         module = check_module(module)
+        check_materialised(module)
         layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
                               deferred_batch_norm)
         workers = check_workers(cpu_workers)

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
+from ..errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
+                      StageFailure, describe)
 from ..schedule import Action, ActionKind, Schedule
 from .mailbox import Mailbox
 from .stage import Stage
@@ -156,15 +157,14 @@ class LocalExecutor:
                 (step.handlers or self.handlers)[action.kind](step, stage, action)
             if step.recorder:
                 step.recorder.end(stage, action, token)
-        except PipelineError as error:
+        except (PipelineError, LossFunctionError) as error:
             step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
             raise
         except BaseException as error:
-            step.abort.trip(f"stage {action.stage} failed in action {action}: "
-                            f"{type(error).__name__}: {error}")
+            step.abort.trip(f"stage {action.stage} failed in action {action}: {describe(error)}")
             raise StageFailure(
                 f"stage {action.stage} failed in action {action} (micro-batch "
-                f"{action.microbatch}): {type(error).__name__}: {error}",
+                f"{action.microbatch}): {describe(error)}",
                 stage=action.stage, action=str(action), microbatch=action.microbatch) from error
         step.progress[action.stage] = ("finished", action)
         step.busy[worker] += time.perf_counter() - start

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import amp, batchnorm, microbatch
-from ..errors import PipelineAborted, PipelineError
+from ..errors import PeerLost, PipelineAborted, PipelineError
 from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
 from .board import Board, wait_work
@@ -54,7 +54,8 @@ class PerRankDriver(Driver):
         self.searches_chunks = topology.local(0)
         self.shows_next_count = False
         self.reports = topology.rank == min(topology.owner)
-        self.board = Board(f"pipe{next(_instances)}", topology.rank)
+        self.board = Board(f"pipe{next(_instances)}", topology.rank,
+                           ranks=dist.get_process_group_ranks(topology.group))
         self.executor = DistributedExecutor(topology, self.board, self._after_action,
                                             Kinds(names), self.skips)
         self.data_group = data_group
@@ -81,7 +82,9 @@ class PerRankDriver(Driver):
         except BaseException as error:
             if self.broken is None:
                 self.broken = f"{type(error).__name__}: {error}"
-            if not isinstance(error, PipelineAborted):  # else another rank told everyone
+            if isinstance(error, PeerLost):  # a rank that exited or never started tells no one
+                self.executor.fail(error.culprit)
+            elif not isinstance(error, PipelineAborted):  # else another rank told everyone
                 self.executor.fail(f"rank {self.topology.rank} (stage {self.topology.stage}) "
                                    f"failed: {type(error).__name__}: {error}")
             raise
@@ -104,6 +107,7 @@ class PerRankDriver(Driver):
         the micro-batch count and batch size from the first activation it receives (the header
         of every message repeats them); a rank that reads the targets checks them against it."""
         self.steps += 1
+        self.board.liveness.at(self.steps, "starting the step")
         self.executor.wire(step, plan())
         learned_from: Optional[int] = None
         entry = min(self.local)
@@ -142,6 +146,8 @@ class PerRankDriver(Driver):
                                                    schedule) if step.train else {})
         batchnorm.discard(local)
         self.executor.run(programs, step, schedule)
+        if step.train:  # no rank keeps a step another did not finish
+            self.executor.confirm_step(self.timeout)
         batchnorm.commit(local)
 
     def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
@@ -168,7 +174,7 @@ class PerRankDriver(Driver):
             raise PipelineError(f"rank {self.topology.rank}: the losses of micro-batches "
                                 f"{missing} never arrived with their gradients")
         total = math.fsum(float(step.losses[i]) for i in range(num_microbatches))
-        loss = torch.tensor(total, dtype=torch.float32, device=self.topology.device)
+        loss = torch.tensor(total, dtype=step.losses[0].dtype, device=self.topology.device)
         if self.data_group is not None and dist.get_world_size(self.data_group) > 1:
             work = dist.all_reduce(loss, group=self.data_group, async_op=True)
             wait_work(work, self.timeout, "the data-parallel loss average", self.board)
