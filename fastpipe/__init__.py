@@ -11,6 +11,7 @@ from . import distributed, models, nn
 from ._native import FastpipeNativeWarning
 from .checkpoint import is_checkpointing, is_recomputing
 from .distributed import DistributedPipe, init_mesh
+from .doctor_report import Diagnosis, doctor
 from .errors import (PipelineAborted, PipelineError, PipelineTimeout, StageFailure)
 from .info import format_info, info
 from .ops import reference_transfer, transfer
@@ -20,9 +21,9 @@ from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 __version__ = "0.1.0"
 
 __all__ = [
-    "Action", "ActionKind", "DistributedPipe", "FastpipeNativeWarning", "Pipe", "PipelineAborted",
+    "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "Pipe", "PipelineAborted",
     "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError", "StageFailure", "amp",
-    "balance", "batchnorm", "distributed", "format_info", "get_schedule", "info", "init_mesh",
+    "balance", "batchnorm", "distributed", "doctor", "format_info", "get_schedule", "info", "init_mesh",
     "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
     "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",
 ]

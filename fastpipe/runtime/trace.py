@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+import os
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ..doctor_io import StepContext
 from ..errors import PipelineTimeout
 from ..schedule import Action
+from ..schedule.render import write_chrome_trace
 from ..schedule.timeline import Timeline
 
 
@@ -84,10 +87,23 @@ def wait_for_event(event: Any, timeout: float, what: str, **where: Any) -> None:
 
 
 class Trace:
-    """What ``with pipe.trace() as t:`` gives: the measured timeline of every step inside."""
+    """What ``with pipe.trace() as t:`` gives: the measured timeline of every step inside, and
+    for each training step its context (when it began waiting for input, when it returned, its
+    layout), which ``fastpipe.doctor(t)`` and :meth:`write` use."""
 
     def __init__(self) -> None:
         self.timelines: List[Timeline] = []
+        self.contexts: Dict[int, StepContext] = {}  # timeline index -> its training step's
+        self.opened = time.perf_counter()  # the block's start: the first step's input wait
+        self.last_end: Optional[float] = None  # when the last training step returned
+
+    def write(self, path: Union[str, "os.PathLike[str]"], step: int = -1) -> None:
+        """Write the ``step``-th step (default: the last) as Chrome/Perfetto trace JSON, with
+        its context, for ui.perfetto.dev and ``python -m fastpipe doctor``."""
+        timeline = self.timelines[step] if self.timelines else self.timeline
+        context = self.contexts.get(range(len(self.timelines))[step])
+        write_chrome_trace(timeline, path, meta=None if context is None else {
+            "num_stages": timeline.num_stages, **context.to_dict()})
 
     @property
     def timeline(self) -> Timeline:

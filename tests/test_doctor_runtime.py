@@ -1,0 +1,170 @@
+"""The doctor on real CPU pipes: profiler labels, ``last_step``, traces from both front doors and
+the ``doctor`` command line. Slow layers sleep, so the planted problems dominate whatever else
+the machine is doing."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fastpipe
+from fastpipe import Pipe
+from fastpipe.doctor_cli import main as doctor_main
+from fastpipe.runtime import labels
+from fastpipe.schedule import render
+from fastpipe.schedule.timeline import Timeline
+
+
+class Sleepy(nn.Module):
+    """A linear layer that also sleeps ``seconds`` per call (forward and recomputation)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+def sleepy_pipe(slow_stage=None, chunks=4, unit=0.002) -> Pipe:
+    layers = [Sleepy(unit) for _ in range(4)]
+    if slow_stage is not None:
+        layers[2 * slow_stage].seconds = layers[2 * slow_stage + 1].seconds = 3 * unit
+    return Pipe(nn.Sequential(*layers), balance=[2, 2], devices=["cpu", "cpu"], chunks=chunks,
+                schedule="1f1b", checkpoint="never")
+
+
+def mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def batch(n=16):
+    return torch.randn(n, 8), torch.randn(n, 8)
+
+
+def test_every_action_appears_as_a_profiler_range_on_the_worker_threads(tmp_path):
+    pipe = sleepy_pipe(unit=0.0)
+    x, y = batch()
+    with labels.profile() as prof:
+        pipe.train_step(x, y, mse)
+    path = tmp_path / "profile.json"
+    prof.export_chrome_trace(str(path))
+    ranges = {e["name"]: e["tid"] for e in json.loads(path.read_text())["traceEvents"]
+              if str(e.get("name", "")).startswith("fastpipe/")}
+    expected = {labels.label(a) for row in pipe.plan(4).actions for a in row}
+    assert set(ranges) == expected
+    assert threading.get_native_id() not in set(ranges.values())  # the workers' threads
+
+
+def test_no_profiler_no_range():
+    stage = type("Stage", (), {"stream": None})()
+    action = fastpipe.Action(0, "F", 0)
+    assert not labels.profiling()
+    with labels.action_range(stage, action) as entered:
+        assert entered is None
+
+
+def test_last_step_without_tracing():
+    pipe = sleepy_pipe()
+    assert pipe.last_step is None
+    pipe.train_step(*batch(), mse)
+    stats = pipe.last_step
+    assert stats.samples == 16 and stats.stages == 2
+    assert stats.samples_per_second == pytest.approx(16 / stats.step_time)
+    assert 0.0 <= stats.bubble_fraction < 1.0
+    assert "samples/s" in str(stats)
+
+
+def test_a_slow_stage_of_a_real_pipe_is_named_and_rebalanced():
+    pipe = sleepy_pipe(slow_stage=1, chunks=8)
+    pipe.train_step(*batch(), mse)
+    with pipe.trace() as t:
+        pipe.train_step(*batch(), mse)
+    diagnosis = fastpipe.doctor(t)
+    finding = diagnosis.finding("imbalance")
+    assert finding is not None and finding.stage == 1
+    assert finding.balance == (3, 1)  # a layer moves away from the slow stage
+    assert diagnosis.context.balance == (2, 2) and diagnosis.context.samples == 16
+
+
+def test_a_slow_input_of_a_real_pipe_is_found(tmp_path):
+    pipe = sleepy_pipe(chunks=8)
+    with pipe.trace() as t:
+        time.sleep(0.15)  # the data loader
+        pipe.train_step(*batch(), mse)
+    diagnosis = fastpipe.doctor(t)
+    assert diagnosis.findings[0].kind == "input"
+    assert diagnosis.findings[0].gain >= 0.14
+    path = tmp_path / "pipe.json"
+    t.write(path)
+    assert _cli(path) == 0
+
+
+def _cli(path, *extra) -> int:
+    return doctor_main([str(path), *extra])
+
+
+def test_the_command_line_reports_a_saved_trace(tmp_path, capsys):
+    pipe = sleepy_pipe(slow_stage=0)
+    with pipe.trace() as t:
+        pipe.train_step(*batch(), mse)
+    path = tmp_path / "trace.json"
+    t.write(path)
+    assert _cli(path) == 0
+    out = capsys.readouterr().out
+    assert "stage  compute  bubble  imbalance" in out and "schedule '1f1b'" in out
+    assert "stage 0 is the slowest" in out
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "cannot read"),
+    ('{"traceEvents": [', "not complete JSON"),
+    ('{"traceEvents": []}', "no fastpipe actions"),
+    ("one stage", "one stage|1 stage"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys, content, words):
+    path = tmp_path / "trace.json"
+    if content == "one stage":
+        render.write_chrome_trace(Timeline.from_intervals(1, [(0, "0F0", 0.0, 1.0)]), path)
+    elif content is not None:
+        path.write_text(content)
+    assert _cli(path) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m fastpipe doctor: error:")
+    assert __import__("re").search(words, err)
+
+
+def test_bad_options_exit_2(tmp_path, capsys):
+    assert _cli(tmp_path / "x.json", "--balance", "two") == 2
+    assert "--balance" in capsys.readouterr().err
+
+
+def test_python_dash_m_fastpipe_doctor(tmp_path):
+    path = tmp_path / "foreign.json"
+    path.write_text('{"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 0, "dur": 1}]}')
+    done = subprocess.run([sys.executable, "-m", "fastpipe", "doctor", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "another tool" in done.stderr
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_a_distributed_trace_is_diagnosed_by_the_command_line(tmp_path, capsys):
+    from dist_launch import assert_all_ok, launch
+    path = tmp_path / "distributed.json"
+    results = assert_all_ok(launch("doctored", 2, limit=120, args={"path": str(path)}))
+    for r in results:
+        assert r["samples"] == 8 and r["stages"] == 1 and 0.0 <= r["bubble"] < 1.0
+    assert _cli(path) == 0
+    out = capsys.readouterr().out
+    assert "input-bound" in out and "2 stages, 4 micro-batches" in out
