@@ -259,7 +259,7 @@ def _input(split: Split) -> Optional[Finding]:
     if not _worth(split, waited):
         return None
     return Finding("input", f"input-bound: {_ms(waited)} ({_pct(split, waited)} of the step) "
-                   f"pass before the first forward", waited,
+                   f"pass between steps (data loading and the caller's work)", waited,
                    "load the next batch while this step runs: DataLoader(num_workers=..., "
                    "pin_memory=True, prefetch_factor=...), and move slow preprocessing off the "
                    "training loop")

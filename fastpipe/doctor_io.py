@@ -17,7 +17,8 @@ from .schedule.ir import Action
 from .schedule.render import MICROSECONDS_PER_UNIT
 from .schedule.timeline import Timeline
 
-__all__ = ["DoctorInputError", "StepContext", "load_trace", "timeline_from_chrome_trace"]
+__all__ = ["DoctorInputError", "StepContext", "load_trace", "merge_chrome_traces",
+           "timeline_from_chrome_trace"]
 
 _ACTION_ARGS = ("stage", "kind", "microbatch", "chunk", "start", "end")
 
@@ -31,14 +32,15 @@ class StepContext:
     """The step around a measured timeline; every time is on the timeline's clock (seconds).
 
     ``step_start``: when the step began waiting for its input (the previous step's return, or the
-    start of the ``trace()`` block); ``step_end``: when ``train_step`` returned (after the
-    optimizer when it was given one). ``balance``: layers per virtual stage in model order.
+    start of the ``trace()`` block); ``step_called``: when ``train_step`` was called (its input
+    in hand); ``step_end``: when it returned (after the optimizer when it was given one). ``balance``: layers per virtual stage in model order.
     ``placement``: the virtual stage of each (stage, chunk). ``samples``: the batch size.
     ``action_overhead``: fixed cost of one action in seconds, beyond what the timeline shows.
     Unknown fields are ``None``; the doctor then skips the advice that needs them.
     """
 
     step_start: Optional[float] = None
+    step_called: Optional[float] = None
     step_end: Optional[float] = None
     schedule: Optional[str] = None
     virtual_stages: Optional[int] = None
@@ -112,6 +114,38 @@ def timeline_from_chrome_trace(data: Any, name: str = "the trace") -> Tuple[Time
         raise DoctorInputError(f"{name} is a {other.get('source', 'simulated')} timeline in "
                                f"{unit!r}; the doctor needs a measured one (pipe.trace())")
     return timeline, context
+
+
+def merge_chrome_traces(ours: Mapping[str, Any], profiler: Mapping[str, Any]) -> dict[str, Any]:
+    """One Chrome trace holding a ``torch.profiler`` trace and a fastpipe one (``chrome_trace``
+    of a measured timeline): the fastpipe lanes become one more process, shifted onto the
+    profiler's clock by the ``fastpipe/<action>`` ranges both hold (profile every thread:
+    ``fastpipe.runtime.labels.profile()``). The fastpipe context stays under
+    ``otherData.fastpipe``, so the doctor reads the merged file too."""
+    theirs = profiler.get("traceEvents") if isinstance(profiler, Mapping) else None
+    if not isinstance(theirs, list):
+        raise DoctorInputError("the profiler trace has no 'traceEvents' list; export it with "
+                               "prof.export_chrome_trace(path)")
+    mine = [e for e in ours["traceEvents"] if e.get("ph") == "X"]
+    starts = {e["name"]: e["ts"] for e in mine}
+    shifts = sorted(e["ts"] - starts[e["name"][len("fastpipe/"):]] for e in theirs
+                    if isinstance(e, Mapping) and e.get("ph") == "X"
+                    and str(e.get("name", "")).startswith("fastpipe/")
+                    and e["name"][len("fastpipe/"):] in starts)
+    if not shifts:
+        raise DoctorInputError("the profiler trace holds none of this step's fastpipe/ ranges: "
+                               "profile the same step, with every thread recorded "
+                               "(fastpipe.runtime.labels.profile())")
+    shift, pid = shifts[len(shifts) // 2], _free_pid(theirs)
+    moved = [{**e, "pid": pid, **({"ts": e["ts"] + shift} if "ts" in e else {})}
+             for e in ours["traceEvents"]]
+    other = {**profiler.get("otherData", {}), **ours.get("otherData", {})}
+    return {**profiler, "traceEvents": [*theirs, *moved], "otherData": other}
+
+
+def _free_pid(events: Sequence[Any]) -> int:
+    pids = [e.get("pid") for e in events if isinstance(e, Mapping)]
+    return 1 + max((p for p in pids if isinstance(p, int)), default=0)
 
 
 def _is_action(event: Any) -> bool:

@@ -5,8 +5,8 @@ included); waiting on a neighbour because of the schedule's **inherent** bubble;
 of stage **imbalance**; waiting on **communication** (from the moment its input was produced on
 another stage until the stage started on it); waiting on the **input** (from the step's start to
 the first forward anywhere); the **optimizer** (after the last action until ``train_step``
-returned); and **unexplained** gaps (idle with every input ready: runtime overhead, CPU
-contention, or delays propagated from other stages).
+returned); and **unexplained** gaps (idle with every input ready: runtime overhead, the step's
+set-up before its first action, CPU contention, or delays passed on by other stages).
 
 Inherent and imbalance are told apart by re-simulating the same schedule (its action order as
 measured) twice with the simulator: once with the measured mean cost of each action kind per
@@ -75,8 +75,11 @@ def split_step(timeline: Timeline, context: StepContext) -> Split:
     begin = timeline.start if context.step_start is None else min(context.step_start,
                                                                    timeline.start)
     finish = timeline.end if context.step_end is None else max(context.step_end, timeline.end)
+    called = timeline.start if context.step_called is None else min(
+        max(context.step_called, begin), timeline.start)
     for stage, (row, _, _) in enumerate(lanes):
-        row["input"] = timeline.start - begin
+        row["input"] = called - begin
+        row["unexplained"] += timeline.start - called  # the step's own set-up
         row["optimizer"] = finish - timeline.end
         _attribute_waiting(row, _idle(equalized, stage), _idle(simulated, stage),
                            _idle(delayed, stage))

@@ -65,6 +65,24 @@ def test_every_action_appears_as_a_profiler_range_on_the_worker_threads(tmp_path
     assert threading.get_native_id() not in set(ranges.values())  # the workers' threads
 
 
+def test_trace_and_profiler_merge_into_one_file_the_doctor_reads(tmp_path, capsys):
+    pipe = sleepy_pipe(unit=0.001)
+    profiled = tmp_path / "profile.json"
+    with labels.profile() as prof, pipe.trace() as t:
+        pipe.train_step(*batch(), mse)
+    prof.export_chrome_trace(str(profiled))
+    merged = tmp_path / "merged.json"
+    t.write(merged, merge_with=profiled)
+    events = json.loads(merged.read_text())["traceEvents"]
+    ranges = {e["name"][len("fastpipe/"):]: e["ts"] for e in events
+              if str(e.get("name", "")).startswith("fastpipe/") and e.get("ph") == "X"}
+    lanes = [e for e in events if e.get("args", {}).get("kind") in ("F", "B")]
+    assert len(lanes) == len(ranges) == 16
+    # each action's lane event sits where its profiler range is (the same clock, within 2 ms)
+    assert max(abs(e["ts"] - ranges[e["name"]]) for e in lanes) < 2000
+    assert _cli(merged) == 0 and "schedule '1f1b'" in capsys.readouterr().out
+
+
 def test_no_profiler_no_range():
     stage = type("Stage", (), {"stream": None})()
     action = fastpipe.Action(0, "F", 0)

@@ -47,11 +47,15 @@ class StepStats:
             return None
         return max(0.0, 1.0 - self.busy / (self.stages * self.step_time))
 
-    def __str__(self) -> str:
+    @property
+    def summary(self) -> str:
+        """``'2640.3 samples/s, bubble 23.4%'``."""
         bubble = self.bubble_fraction
         shown = "n/a" if bubble is None else f"{bubble:.1%}"
-        return (f"{self.samples} samples in {self.step_time * 1e3:.1f} ms: "
-                f"{self.samples_per_second:.1f} samples/s, bubble {shown}")
+        return f"{self.samples_per_second:.1f} samples/s, bubble {shown}"
+
+    def __str__(self) -> str:
+        return f"{self.samples} samples in {self.step_time * 1e3:.1f} ms: {self.summary}"
 
 
 def finish_step(door: Any, step: StepState, samples: int, started: float) -> None:
@@ -67,10 +71,25 @@ def finish_step(door: Any, step: StepState, samples: int, started: float) -> Non
         began = trace.last_end if trace.last_end is not None else trace.opened
         trace.contexts[len(trace.timelines) - 1] = StepContext(
             step_start=began - step.recorder.origin + offset,
+            step_called=started - step.recorder.origin + offset,
             step_end=now - step.recorder.origin + offset,
+            action_overhead=_action_overhead(step),
             schedule=door.schedule, virtual_stages=door.virtual_stages,
             balance=tuple(door.balance), samples=samples, checkpoint=door.checkpoint)
         trace.last_end = now
+
+
+CPU_ACTION_OVERHEAD = 20e-6
+"""Seconds an action costs on a CPU stage beyond its layers' work (handler, mailbox, autograd
+set-up): the median F of a one-weight stage, measured by ``benchmarks/doctor_overhead.py``. The
+doctor adds it to the gaps it sees between actions when it predicts other micro-batch counts."""
+
+
+def _action_overhead(step: StepState) -> Optional[float]:
+    """The fixed cost per action the doctor should assume (known for CPU stages only)."""
+    if any(getattr(stage, "stream", None) is not None for stage in step.stages):
+        return None
+    return CPU_ACTION_OVERHEAD
 
 
 def _local_stages(step: StepState) -> int:
