@@ -21,9 +21,10 @@ from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 __version__ = "0.1.0"
 
 __all__ = [
-    "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "Pipe", "PipelineAborted",
-    "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError", "StageFailure", "amp",
-    "balance", "batchnorm", "distributed", "doctor", "format_info", "get_schedule", "info", "init_mesh",
-    "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
+    "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "Pipe",
+    "PipelineAborted", "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError",
+    "StageFailure", "amp", "balance", "batchnorm", "distributed", "doctor", "format_info",
+    "get_schedule", "info", "init_mesh", "is_checkpointing", "is_recomputing", "memory",
+    "microbatch", "models", "nn", "ops",
     "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",
 ]

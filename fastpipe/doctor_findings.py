@@ -90,26 +90,26 @@ def _imbalance(split: Split, context: StepContext) -> Optional[Finding]:
     slowest = max(range(len(work)), key=work.__getitem__)
     others = [w for s, w in enumerate(work) if s != slowest]
     typical = statistics.median(others) if others else work[slowest]
-    ratio = work[slowest] / typical if typical > 0 else float("inf")
+    ratio = f"{work[slowest] / typical:.1f}x" if typical > 0 else "far above"
     waste = sum(row["imbalance"] for row in split.seconds) / len(split.seconds)
-    if context.balance is None or len(context.balance) != split.schedule.num_virtual_stages:
-        gain = split.simulated - split.equalized
-        if not _worth(split, gain):
-            return None
-        return Finding("imbalance", f"stage {slowest} is the slowest ({ratio:.1f}x the mean "
-                       f"stage); imbalance idles the others {_pct(split, waste)} of the step",
-                       gain, "move layers away from it (pass balance=...)", stage=slowest)
-    layers = _layer_costs(split.costs, split.schedule, context.balance)
-    proposed = tuple(partition.solve([sum(c) for c in layers], len(context.balance)))
-    predicted = simulate(split.schedule, _costs_for(layers, proposed)).makespan
-    gain = split.simulated - predicted
-    if proposed == tuple(context.balance) or not _worth(split, gain):
+    what = (f"stage {slowest} is the slowest ({ratio} the other stages' median): imbalance "
+            f"idles the others {_pct(split, waste)} of the step")
+    known = context.balance is not None and len(context.balance) == split.schedule.num_virtual_stages
+    if known:
+        layers = _layer_costs(split.costs, split.schedule, context.balance)
+        proposed = tuple(partition.solve([sum(c) for c in layers], len(context.balance)))
+        if proposed != tuple(context.balance):
+            predicted = simulate(split.schedule, _costs_for(layers, proposed)).makespan
+            gain = split.simulated - predicted
+            return Finding("imbalance", what, gain, f"balance={list(proposed)} predicts "
+                           f"{_ms(predicted)} instead of {_ms(split.simulated)} per step",
+                           stage=slowest, balance=proposed) if _worth(split, gain) else None
+    gain = split.simulated - split.equalized
+    if not _worth(split, gain):
         return None
-    return Finding("imbalance", f"stage {slowest} is the slowest ({ratio:.1f}x the other stages' "
-                   f"median): "
-                   f"imbalance idles the others {_pct(split, waste)} of the step",
-                   gain, f"balance={list(proposed)} predicts {_ms(predicted)} instead of "
-                   f"{_ms(split.simulated)} per step", stage=slowest, balance=proposed)
+    fix = ("no split into whole layers is better: split its slowest layer, or give it a faster "
+           "device" if known else "move layers away from it (pass balance=...)")
+    return Finding("imbalance", what, gain, fix, stage=slowest)
 
 
 def _layer_costs(costs: Costs, schedule: Schedule,

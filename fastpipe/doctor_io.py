@@ -33,7 +33,8 @@ class StepContext:
 
     ``step_start``: when the step began waiting for its input (the previous step's return, or the
     start of the ``trace()`` block); ``step_called``: when ``train_step`` was called (its input
-    in hand); ``step_end``: when it returned (after the optimizer when it was given one). ``balance``: layers per virtual stage in model order.
+    in hand); ``step_end``: when it returned (after the optimizer when it was given one).
+    ``balance``: layers per virtual stage in model order.
     ``placement``: the virtual stage of each (stage, chunk). ``samples``: the batch size.
     ``action_overhead``: fixed cost of one action in seconds, beyond what the timeline shows.
     Unknown fields are ``None``; the doctor then skips the advice that needs them.
@@ -169,8 +170,3 @@ def check_timeline(timeline: Any) -> Timeline:
         raise DoctorInputError(f"the timeline has {timeline.num_stages} stage: there is no "
                                f"pipeline to diagnose (use two or more stages)")
     return timeline
-
-
-def as_tuple(values: Optional[Sequence[Any]]) -> Optional[Tuple[Any, ...]]:
-    """``tuple(values)``, keeping ``None``."""
-    return None if values is None else tuple(values)

@@ -9,7 +9,7 @@ short table and at most five lines of advice. Pure Python: no device work.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 from .doctor_findings import Finding, Memory, find
 from .doctor_io import DoctorInputError, StepContext, check_timeline
@@ -132,8 +132,3 @@ def _memory(memory: Union[Memory, Sequence[float], None], timeline: Timeline) ->
         raise DoctorInputError(f"memory has {len(found.peak)} entries for a timeline of "
                                f"{timeline.num_stages} stages; give one per stage")
     return found
-
-
-def findings_text(findings: List[Finding]) -> List[str]:
-    """One line per finding (for logs)."""
-    return [f"{f.kind}: {f.message}" for f in findings]

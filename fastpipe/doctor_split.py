@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .doctor_io import DoctorInputError, StepContext
 from .schedule import SCHEDULES
-from .schedule.ir import W, Action, Schedule, ScheduleError
+from .schedule.ir import Action, Schedule, ScheduleError
 from .schedule.recommend import make_schedule
 from .schedule.simulator import Costs, simulate
 from .schedule.timeline import Event, Timeline
@@ -41,7 +41,8 @@ class Split:
 
     ``seconds[s][c]``: stage ``s``'s time in category ``c``; each stage's row sums to
     ``step_time``. ``simulated``: the step's pipeline time re-simulated with the measured costs;
-    ``equalized``: with the costs made equal across stages. ``dispatch_gaps``: the gaps between
+    ``equalized``: with the costs made equal across stages; ``pipeline_time``: measured, from the
+    first action's start to the last one's end. ``dispatch_gaps``: the gaps between
     actions whose inputs were all ready (the runtime's per-action overhead).
     """
 
@@ -65,7 +66,8 @@ def split_step(timeline: Timeline, context: StepContext) -> Split:
     """Split the step of a measured ``timeline`` (see the module docstring)."""
     schedule = measured_schedule(timeline, context)
     costs = measured_costs(timeline, schedule)
-    lanes = [_lane(timeline, schedule, stage, lane)
+    ends = {event.action: event.end for event in timeline.events}
+    lanes = [_lane(timeline, schedule, ends, stage, lane)
              for stage, lane in enumerate(timeline.by_stage())]
     latencies = [x for _, _, found in lanes for x in found]
     latency = statistics.median(latencies) if latencies else 0.0
@@ -92,12 +94,12 @@ def _idle(timeline: Timeline, stage: int) -> float:
     return timeline.makespan - timeline.busy[stage]
 
 
-def _lane(timeline: Timeline, schedule: Schedule, stage: int,
+def _lane(timeline: Timeline, schedule: Schedule, ends: Dict[Action, float], stage: int,
           lane: Sequence[Event]) -> Tuple[Dict[str, float], List[float], List[float]]:
     """One stage's compute, waiting on neighbours, communication and unexplained seconds within
     the pipeline's span; its dispatch gaps (idle with the inputs ready) and its transfer
-    latencies (from a remote input's production to the start of its consumer)."""
-    ends = {event.action: event.end for event in timeline.events}
+    latencies (from a remote input's production to the start of its consumer); ``ends``: when
+    each action of the step ended."""
     row = dict.fromkeys(CATEGORIES, 0.0)
     row["waiting"] = 0.0
     gaps: List[float] = []
@@ -201,14 +203,3 @@ def stage_work(costs: Costs, schedule: Schedule) -> Tuple[float, ...]:
     per_virtual = [sum(values) for values in zip(*(costs.per_virtual_stage(name, n)
                                                    for name in ("forward", "backward", "weight")))]
     return tuple(sum(per_virtual[v] for v in row) for row in schedule.placement)
-
-
-def split_kinds(schedule: Schedule) -> bool:
-    """Whether the schedule has separate W actions."""
-    return any(a.kind is W for row in schedule.actions for a in row)
-
-
-def forward_share(costs: Costs, schedule: Schedule) -> Tuple[float, ...]:
-    """Per virtual stage, the forward cost (what a checkpointed micro-batch recomputes)."""
-    return costs.per_virtual_stage("forward", schedule.num_virtual_stages)
-

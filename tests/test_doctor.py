@@ -188,3 +188,11 @@ def test_unusable_timelines_are_refused():
 def test_json_meta_is_plain_json():
     context = StepContext(balance=(2, 2), samples=4)
     assert json.loads(json.dumps(context.to_dict())) == {"balance": [2, 2], "samples": 4}
+
+
+def test_a_slow_stage_of_one_layer_is_named_without_a_balance():
+    timeline = measured(chunks=8, forward=(1 * MS, 1 * MS, 3 * MS, 1 * MS),
+                        backward=(2 * MS, 2 * MS, 6 * MS, 2 * MS))
+    for balance, words in (((1, 1, 1, 1), "split its slowest layer"), (None, "balance=...")):
+        finding = doctor(timeline, context=StepContext(balance=balance)).finding("imbalance")
+        assert finding.stage == 2 and finding.balance is None and words in finding.fix

@@ -186,3 +186,22 @@ def test_a_distributed_trace_is_diagnosed_by_the_command_line(tmp_path, capsys):
     assert _cli(path) == 0
     out = capsys.readouterr().out
     assert "input-bound" in out and "2 stages, 4 micro-batches" in out
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+def test_cuda_stages_get_nvtx_and_profiler_ranges_and_a_traced_bubble(tmp_path):
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    pipe = Pipe(model, balance=[2, 2], devices=["cuda:0", "cuda:0"], chunks=4, schedule="1f1b")
+    x, y = batch()
+    pipe.train_step(x, y, mse)
+    assert pipe.last_step.bubble_fraction is None  # the host only launched the actions
+    with labels.profile() as prof, pipe.trace() as t:
+        pipe.train_step(x, y, mse)
+    assert 0.0 <= pipe.last_step.bubble_fraction < 1.0  # from the CUDA events
+    path = tmp_path / "profile.json"
+    prof.export_chrome_trace(str(path))
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert {labels.label(a) for row in pipe.plan(4).actions for a in row} <= names
+    t.write(tmp_path / "cuda.json")
+    assert _cli(tmp_path / "cuda.json") == 0
