@@ -16,6 +16,7 @@ from .errors import (PipelineAborted, PipelineError, PipelineTimeout, StageFailu
 from .info import format_info, info
 from .ops import reference_transfer, transfer
 from .pipe import Pipe
+from .runtime.labels import profile
 from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 
 __version__ = "0.1.0"
@@ -25,6 +26,6 @@ __all__ = [
     "PipelineAborted", "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError",
     "StageFailure", "amp", "balance", "batchnorm", "distributed", "doctor", "format_info",
     "get_schedule", "info", "init_mesh", "is_checkpointing", "is_recomputing", "memory",
-    "microbatch", "models", "nn", "ops",
+    "microbatch", "models", "nn", "ops", "profile",
     "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",
 ]

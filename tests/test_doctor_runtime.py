@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def batch(n=16):
 def test_every_action_appears_as_a_profiler_range_on_the_worker_threads(tmp_path):
     pipe = sleepy_pipe(unit=0.0)
     x, y = batch()
-    with labels.profile() as prof:
+    with fastpipe.profile() as prof:
         pipe.train_step(x, y, mse)
     path = tmp_path / "profile.json"
     prof.export_chrome_trace(str(path))
@@ -81,6 +82,17 @@ def test_trace_and_profiler_merge_into_one_file_the_doctor_reads(tmp_path, capsy
     # each action's lane event sits where its profiler range is (the same clock, within 2 ms)
     assert max(abs(e["ts"] - ranges[e["name"]]) for e in lanes) < 2000
     assert _cli(merged) == 0 and "schedule '1f1b'" in capsys.readouterr().out
+
+
+def test_a_profiler_of_the_calling_thread_alone_warns_that_workers_are_unseen():
+    pipe = sleepy_pipe(unit=0.0)
+    with pytest.warns(RuntimeWarning, match="profile_all_threads"):
+        with torch.profiler.profile():
+            pipe.train_step(*batch(), mse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fastpipe.profile():
+            pipe.train_step(*batch(), mse)
 
 
 def test_no_profiler_no_range():

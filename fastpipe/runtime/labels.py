@@ -6,12 +6,15 @@ The range is a ``torch.profiler.record_function`` while a profiler is active, an
 on CUDA stages (for Nsight Systems). With neither, an action pays one flag check.
 
 Stage workers are threads. ``torch.profiler.profile()`` records only the thread that entered
-it unless ``profile_all_threads`` is set in its experimental config; :func:`profile` is
-``torch.profiler.profile`` with that set, so every stage's ranges appear.
+it unless ``profile_all_threads`` is set in its experimental config (torch offers no way to add
+other threads to a running profiler); :func:`profile` (``fastpipe.profile``) is
+``torch.profiler.profile`` with that set, so every stage's ranges appear, and a training step
+under a profiler that sees only its caller's thread warns once.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, ContextManager
 
 import torch
@@ -19,7 +22,7 @@ from torch.autograd import profiler as _autograd_profiler
 
 from ..schedule import Action
 
-__all__ = ["action_range", "label", "profile"]
+__all__ = ["action_range", "label", "profile", "warn_if_workers_unseen"]
 
 _NOTHING = contextlib.nullcontext()
 _thread_profiled = torch._C._autograd._profiler_enabled
@@ -72,3 +75,15 @@ def profile(**kwargs: Any) -> torch.profiler.profile:
     kwargs.setdefault("experimental_config",
                       torch._C._profiler._ExperimentalConfig(profile_all_threads=True))
     return torch.profiler.profile(**kwargs)
+
+
+def warn_if_workers_unseen() -> None:
+    """Warn when the calling thread is profiled by a profiler that records it alone: the stage
+    workers' ranges are then missing from its trace (a profiler recording every thread does not
+    mark the thread as profiled, so it never warns)."""
+    if _thread_profiled():
+        warnings.warn("this torch.profiler.profile() records only the thread that entered it, "
+                      "and the pipe's stages run on worker threads: their fastpipe/<action> "
+                      "ranges are missing from its trace; profile with fastpipe.profile() "
+                      "(torch.profiler.profile with profile_all_threads=True) to see them",
+                      RuntimeWarning, stacklevel=3)

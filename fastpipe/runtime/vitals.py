@@ -5,7 +5,8 @@ Both front doors call :func:`finish_step` once at the end of every training step
 step's samples/s, wall time and measured bubble share (from the seconds each worker spent in
 actions, which the executor counts anyway), and, inside ``pipe.trace()``, records the step's
 :class:`~fastpipe.doctor_io.StepContext`: when it began waiting for its input, when it returned,
-its schedule, balance and batch size.
+its schedule, balance and batch size. Under a profiler that records only the calling thread, it
+warns that the stage workers' ranges are missing.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..doctor_io import StepContext
+from . import labels
 from .step import StepState
 
 __all__ = ["StepStats", "finish_step"]
@@ -62,6 +64,7 @@ def finish_step(door: Any, step: StepState, samples: int, started: float) -> Non
     """Record a finished training step of ``door`` (a ``Pipe`` or ``DistributedPipe``) that
     began at ``started`` (``time.perf_counter()``) and ran ``samples`` samples."""
     now = time.perf_counter()
+    labels.warn_if_workers_unseen()
     trace = getattr(door, "_trace", None)
     timeline = trace.timelines[-1] if trace is not None and trace.timelines else None
     stats = StepStats(samples, now - started, _busy(step, timeline), _local_stages(step))
