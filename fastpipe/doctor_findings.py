@@ -64,7 +64,8 @@ def find(split: Split, context: StepContext, memory: Optional[Memory] = None) ->
         lambda: _imbalance(split, context), lambda: _chunks(split, context),
         lambda: _schedule(split, context, memory), lambda: _input(split),
         lambda: _share_finding(split, "communication", COMMUNICATION_SHARE, _COMMUNICATION),
-        lambda: _share_finding(split, "unexplained", UNEXPLAINED_SHARE, _UNEXPLAINED,
+        lambda: _share_finding(split, "unexplained", UNEXPLAINED_SHARE,
+                               (_UNEXPLAINED[0], _shared_threads(context) or _UNEXPLAINED[1]),
                                explained=_overhead_per_stage(split, context)),
         lambda: _memory(split, context, memory))
     found = [f for f in (check() for check in checks) if f is not None]
@@ -271,6 +272,16 @@ _COMMUNICATION = ("waiting on transfers between stages",
 _UNEXPLAINED = ("stages idle with their inputs ready",
                 "runtime overhead or CPU contention: give each stage a free core, or run fewer, "
                 "larger actions")
+
+
+def _shared_threads(context: StepContext) -> Optional[str]:
+    """Advice when CPU stages shared worker threads (they then never overlap)."""
+    shared = [group for group in context.threads or () if len(group) > 1]
+    if not shared:
+        return None
+    names = " and ".join("-".join(map(str, (group[0], group[-1]))) for group in shared)
+    return (f"stages {names} each shared a worker thread, so ran one at a time (a thread per "
+            f"core, or one for short actions): more cores or fewer stages let them overlap")
 
 
 def _share_finding(split: Split, category: str, threshold: float, words: Tuple[str, str],

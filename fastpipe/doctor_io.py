@@ -37,6 +37,8 @@ class StepContext:
     ``balance``: layers per virtual stage in model order.
     ``placement``: the virtual stage of each (stage, chunk). ``samples``: the batch size.
     ``action_overhead``: fixed cost of one action in seconds, beyond what the timeline shows.
+    ``threads``: the stages each worker thread ran (CPU stages may share one, and then never
+    overlap).
     Unknown fields are ``None``; the doctor then skips the advice that needs them.
     """
 
@@ -50,6 +52,7 @@ class StepContext:
     samples: Optional[int] = None
     checkpoint: Optional[str] = None
     action_overhead: Optional[float] = None
+    threads: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``None`` fields left out)."""
@@ -63,8 +66,9 @@ class StepContext:
         for key in ("balance",):
             if values.get(key) is not None:
                 values[key] = tuple(int(x) for x in values[key])
-        if values.get("placement") is not None:
-            values["placement"] = tuple(tuple(int(x) for x in row) for row in values["placement"])
+        for key in ("placement", "threads"):
+            if values.get(key) is not None:
+                values[key] = tuple(tuple(int(x) for x in row) for row in values[key])
         return cls(**values)
 
     def merged(self, other: Optional[StepContext]) -> StepContext:

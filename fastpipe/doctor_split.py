@@ -67,8 +67,9 @@ def split_step(timeline: Timeline, context: StepContext) -> Split:
     schedule = measured_schedule(timeline, context)
     costs = measured_costs(timeline, schedule)
     ends = {event.action: event.end for event in timeline.events}
-    lanes = [_lane(timeline, schedule, ends, stage, lane)
-             for stage, lane in enumerate(timeline.by_stage())]
+    by_stage = timeline.by_stage()
+    lanes = [_lane(timeline, schedule, ends, stage, lane, _mates(by_stage, stage, context))
+             for stage, lane in enumerate(by_stage)]
     latencies = [x for _, _, found in lanes for x in found]
     latency = statistics.median(latencies) if latencies else 0.0
     simulated = simulate(schedule, costs).timeline
@@ -94,12 +95,26 @@ def _idle(timeline: Timeline, stage: int) -> float:
     return timeline.makespan - timeline.busy[stage]
 
 
+def _mates(lanes: Sequence[Sequence[Event]], stage: int,
+           context: StepContext) -> List[Tuple[float, float]]:
+    """The (start, end) of the actions of the stages sharing ``stage``'s worker thread."""
+    group = next((g for g in context.threads or () if stage in g), (stage,))
+    return sorted((e.start, e.end) for s in group if s != stage and s < len(lanes)
+                  for e in lanes[s])
+
+
+def _overlap(begin: float, end: float, spans: Sequence[Tuple[float, float]]) -> float:
+    return sum(max(0.0, min(end, b) - max(begin, a)) for a, b in spans if a < end and b > begin)
+
+
 def _lane(timeline: Timeline, schedule: Schedule, ends: Dict[Action, float], stage: int,
-          lane: Sequence[Event]) -> Tuple[Dict[str, float], List[float], List[float]]:
+          lane: Sequence[Event], mates: Sequence[Tuple[float, float]] = (),
+          ) -> Tuple[Dict[str, float], List[float], List[float]]:
     """One stage's compute, waiting on neighbours, communication and unexplained seconds within
     the pipeline's span; its dispatch gaps (idle with the inputs ready) and its transfer
     latencies (from a remote input's production to the start of its consumer); ``ends``: when
-    each action of the step ended."""
+    each action of the step ended; ``mates``: the actions of stages sharing its worker thread
+    (their time is not the runtime's per-action overhead)."""
     row = dict.fromkeys(CATEGORIES, 0.0)
     row["waiting"] = 0.0
     gaps: List[float] = []
@@ -118,7 +133,7 @@ def _lane(timeline: Timeline, schedule: Schedule, ends: Dict[Action, float], sta
         else:
             row["unexplained"] += gap - waited
             if event.start > timeline.start and ready <= previous:
-                gaps.append(gap)
+                gaps.append(gap - _overlap(previous, event.start, mates))
         previous = max(previous, event.end)
     row["waiting"] += timeline.end - previous  # drained: the others are still working
     return row, gaps, latencies

@@ -196,3 +196,22 @@ def test_a_slow_stage_of_one_layer_is_named_without_a_balance():
     for balance, words in (((1, 1, 1, 1), "split its slowest layer"), (None, "balance=...")):
         finding = doctor(timeline, context=StepContext(balance=balance)).finding("imbalance")
         assert finding.stage == 2 and finding.balance is None and words in finding.fix
+
+
+def test_stages_sharing_a_thread_are_named_and_their_waits_are_not_overhead():
+    # stages 0 and 1 on one thread: stage 1's forward waits while stage 0 runs its next one
+    intervals = []
+    t = 0.0
+    for mb in range(8):
+        intervals += [(0, f"0F{mb}", t, t + 1 * MS), (1, f"1F{mb}", t + 1 * MS, t + 2 * MS)]
+        t += 2 * MS
+    for mb in range(8):
+        intervals += [(1, f"1B{mb}", t, t + 2 * MS), (0, f"0B{mb}", t + 2 * MS, t + 4 * MS)]
+        t += 4 * MS
+    timeline = Timeline.from_intervals(2, intervals)
+    shared = doctor(timeline, context=StepContext(threads=((0, 1),)))
+    assert shared.split.dispatch_gaps and max(shared.split.dispatch_gaps) < 1e-9
+    finding = shared.finding("unexplained")
+    assert finding is not None and "stages 0-1 each shared a worker thread" in finding.fix
+    alone = doctor(timeline, context=StepContext(threads=((0,), (1,))))
+    assert max(alone.split.dispatch_gaps) >= 1 * MS

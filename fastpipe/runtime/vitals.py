@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from ..doctor_io import StepContext
+from ..placement import worker_groups
 from . import labels
 from .step import StepState
 
@@ -76,7 +77,7 @@ def finish_step(door: Any, step: StepState, samples: int, started: float) -> Non
             step_start=began - step.recorder.origin + offset,
             step_called=started - step.recorder.origin + offset,
             step_end=now - step.recorder.origin + offset,
-            action_overhead=_action_overhead(step),
+            action_overhead=_action_overhead(step), threads=_threads(door, step),
             schedule=door.schedule, virtual_stages=door.virtual_stages,
             balance=tuple(door.balance), samples=samples, checkpoint=door.checkpoint)
         trace.last_end = now
@@ -93,6 +94,17 @@ def _action_overhead(step: StepState) -> Optional[float]:
     if any(getattr(stage, "stream", None) is not None for stage in step.stages):
         return None
     return CPU_ACTION_OVERHEAD
+
+
+def _threads(door: Any, step: StepState) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    """The stages each worker thread of a ``Pipe`` ran this step (one per GPU stage, the CPU
+    stages in as many groups as the step had CPU workers); ``None`` for other front doors."""
+    devices = getattr(door, "devices", None)
+    if not isinstance(devices, tuple) or len(devices) != _local_stages(step):
+        return None
+    gpu = sum(1 for d in devices if d.type != "cpu")
+    groups = worker_groups(devices, max(1, len(step.busy) - gpu))
+    return tuple(tuple(group) for group in groups)
 
 
 def _local_stages(step: StepState) -> int:
