@@ -3,16 +3,18 @@
 Each stage's share of the step is split into: **compute** (its F, B, W actions, recomputation
 included); waiting on a neighbour because of the schedule's **inherent** bubble; waiting because
 of stage **imbalance**; waiting on **communication** (from the moment its input was produced on
-another stage until the stage started on it); waiting on the **input** (from the step's start to
-the first forward anywhere); the **optimizer** (after the last action until ``train_step``
-returned); and **unexplained** gaps (idle with every input ready: runtime overhead, the step's
-set-up before its first action, CPU contention, or delays passed on by other stages).
+another stage until the stage started on it, and the waits that transfer latency passes on);
+waiting on the **input** (from the step's start, the previous step's return, to the
+``train_step`` call: data loading and the caller's work between steps); the **optimizer** (after
+the last action until ``train_step`` returned); and **unexplained** gaps (idle with every input
+ready: runtime overhead, the step's set-up before its first action, stages sharing a worker
+thread, CPU contention, or delays passed on by other stages).
 
-Inherent and imbalance are told apart by re-simulating the same schedule (its action order as
-measured) twice with the simulator: once with the measured mean cost of each action kind per
-virtual stage, once with those costs made equal across stages. A stage's idle time in the
-equal-cost run is the schedule's own bubble; what the measured-cost run adds is imbalance. Pure
-Python: no torch.
+Waiting on neighbours is told apart by re-simulating the same schedule (its action order as
+measured) with the simulator: with the measured mean cost of each action kind per virtual stage,
+with those costs made equal across stages, and with the measured transfer latency added. A
+stage's idle time in the equal-cost run is the schedule's own bubble; what the measured costs add
+is imbalance; what the latency adds is communication. Pure Python: no torch.
 """
 from __future__ import annotations
 
