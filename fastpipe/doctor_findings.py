@@ -220,13 +220,12 @@ def _schedule(split: Split, context: StepContext, memory: Optional[Memory]) -> O
     gain = (mine[0].makespan - best.makespan)
     if best.name == current.name or gain < SCHEDULE_GAIN * split.step_time:
         return None
+    memory_words = ("with no more activation memory" if best.peak_memory <= mine[0].peak_memory
+                    + 1e-9 else "within the memory headroom")
     return Finding("schedule", f"schedule {current.name!r}: the simulator predicts "
                    f"{_ms(mine[0].makespan)} for these costs", gain,
                    f"schedule={best.name!r} predicts {_ms(best.makespan)} (bubble "
-                   f"{best.bubble_fraction:.0%}) with no more activation memory"
-                   if limit <= mine[0].peak_memory + 1e-9 else
-                   f"schedule={best.name!r} predicts {_ms(best.makespan)} (bubble "
-                   f"{best.bubble_fraction:.0%}) within the memory headroom", schedule=best.name)
+                   f"{best.bubble_fraction:.0%}) {memory_words}", schedule=best.name)
 
 
 def _physical_costs(costs: Costs, schedule: Schedule) -> Costs:

@@ -28,8 +28,9 @@ _REMOTE = "on another rank"  # a stage another process runs (see dist_executor)
 class StepStats:
     """One training step: ``samples`` in ``step_time`` seconds (the ``train_step`` call, on the
     host), with ``busy`` seconds of actions on the ``stages`` physical stages this process runs
-    (all of a ``Pipe``, one of a ``DistributedPipe`` rank). ``timed_on_device``: CUDA stages were
-    traced, so ``busy`` is device time; CUDA stages not traced have no bubble figure."""
+    (all of a ``Pipe``, one of a ``DistributedPipe`` rank): from the executor's count, or from
+    the trace when the step was traced (device time on GPUs); ``None`` for CUDA stages not
+    traced, whose actions the host only launches."""
 
     samples: int
     step_time: float
