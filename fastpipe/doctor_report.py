@@ -98,9 +98,10 @@ def doctor(timeline_or_trace: Any, *, memory: Union[Memory, Sequence[float], Non
     """
     timeline, recorded = _unpack(timeline_or_trace, step)
     timeline = check_timeline(timeline)
+    stats = _memory(memory, timeline)
     context = recorded.merged(context)
     split = split_step(timeline, context)
-    return Diagnosis(split, tuple(find(split, context, _memory(memory, timeline))), context)
+    return Diagnosis(split, tuple(find(split, context, stats)), context)
 
 
 def _unpack(value: Any, step: int) -> Tuple[Timeline, StepContext]:
@@ -127,7 +128,11 @@ def _memory(memory: Union[Memory, Sequence[float], None], timeline: Timeline) ->
     if memory is None or isinstance(memory, Memory):
         found = memory
     else:
-        found = Memory(tuple(float(x) for x in memory))
+        try:
+            found = Memory(tuple(float(x) for x in memory))
+        except (TypeError, ValueError):
+            raise DoctorInputError(f"memory must be peak bytes per stage (numbers) or a Memory, "
+                                   f"got {memory!r}") from None
     if found is not None and len(found.peak) != timeline.num_stages:
         raise DoctorInputError(f"memory has {len(found.peak)} entries for a timeline of "
                                f"{timeline.num_stages} stages; give one per stage")

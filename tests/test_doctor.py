@@ -183,6 +183,8 @@ def test_unusable_timelines_are_refused():
         doctor("trace.json")
     with pytest.raises(DoctorInputError, match="entries"):
         doctor(measured(chunks=4), memory=[1.0, 2.0])
+    with pytest.raises(DoctorInputError, match="peak bytes per stage"):
+        doctor(measured(chunks=4), memory="lots")
 
 
 def test_json_meta_is_plain_json():
