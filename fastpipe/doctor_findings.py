@@ -266,8 +266,8 @@ def _input(split: Split) -> Optional[Finding]:
 
 
 _COMMUNICATION = ("waiting on transfers between stages",
-                  "profile the sends and receives (NCCL); fewer, larger micro-batches or a faster "
-                  "interconnect shorten them")
+                  "profile them (NCCL or gloo sends across processes, device copies, hand-offs "
+                  "between threads on a busy CPU); fewer, larger micro-batches mean fewer of them")
 _UNEXPLAINED = ("stages idle with their inputs ready",
                 "runtime overhead or CPU contention: give each stage a free core, or run fewer, "
                 "larger actions")
