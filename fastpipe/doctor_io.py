@@ -38,7 +38,8 @@ class StepContext:
     ``placement``: the virtual stage of each (stage, chunk). ``samples``: the batch size.
     ``action_overhead``: fixed cost of one action in seconds, beyond what the timeline shows.
     ``threads``: the stages each worker thread ran (CPU stages may share one, and then never
-    overlap).
+    overlap). ``memory_peak`` and ``memory_limit``: per stage, the peak bytes allocated on its
+    device and the device's capacity (recorded for CUDA stages).
     Unknown fields are ``None``; the doctor then skips the advice that needs them.
     """
 
@@ -53,6 +54,8 @@ class StepContext:
     checkpoint: Optional[str] = None
     action_overhead: Optional[float] = None
     threads: Optional[Tuple[Tuple[int, ...], ...]] = None
+    memory_peak: Optional[Tuple[float, ...]] = None
+    memory_limit: Optional[Tuple[float, ...]] = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``None`` fields left out)."""
@@ -63,9 +66,9 @@ class StepContext:
         """Inverse of :meth:`to_dict`; unknown keys are ignored (newer writers may add some)."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        for key in ("balance",):
+        for key, kind in (("balance", int), ("memory_peak", float), ("memory_limit", float)):
             if values.get(key) is not None:
-                values[key] = tuple(int(x) for x in values[key])
+                values[key] = tuple(kind(x) for x in values[key])
         for key in ("placement", "threads"):
             if values.get(key) is not None:
                 values[key] = tuple(tuple(int(x) for x in row) for row in values[key])

@@ -92,14 +92,17 @@ def doctor(timeline_or_trace: Any, *, memory: Union[Memory, Sequence[float], Non
     ``timeline_or_trace``: a ``Trace`` from ``pipe.trace()`` (its ``step``-th step, default the
     last; it carries the step's context), a measured ``Timeline``, or a ``(timeline, context)``
     pair from :func:`fastpipe.doctor_io.load_trace`. ``memory``: per-stage peak bytes, or a
-    :class:`~fastpipe.doctor_findings.Memory` with limits, for the checkpoint advice.
+    :class:`~fastpipe.doctor_findings.Memory` with limits, for the checkpoint advice (default:
+    what the trace recorded, the CUDA peak and capacity of each stage's device).
     ``context``: fields that override the recorded ones (e.g. ``balance`` for a bare timeline).
     Raises :class:`~fastpipe.doctor_io.DoctorInputError` for input it cannot diagnose.
     """
     timeline, recorded = _unpack(timeline_or_trace, step)
     timeline = check_timeline(timeline)
-    stats = _memory(memory, timeline)
     context = recorded.merged(context)
+    if memory is None and context.memory_peak is not None:
+        memory = Memory(context.memory_peak, context.memory_limit)
+    stats = _memory(memory, timeline)
     split = split_step(timeline, context)
     return Diagnosis(split, tuple(find(split, context, stats)), context)
 

@@ -133,6 +133,13 @@ def test_checkpointing_with_memory_to_spare_and_no_checkpointing_near_the_limit(
     assert risk.stage == 2 and risk.gain == 0 and "except_last" in risk.fix
 
 
+def test_memory_recorded_in_the_context_is_used():
+    context = StepContext(checkpoint="never", memory_peak=(1e9, 7.9e9, 1e9, 1e9),
+                          memory_limit=(8e9,) * 4)
+    assert doctor(measured(chunks=16), context=context).finding("memory").stage == 1
+    assert StepContext.from_dict(json.loads(json.dumps(context.to_dict()))) == context
+
+
 def test_interleaved_schedules_are_recognised():
     diagnosis = doctor(measured(name="interleaved", chunks=8, virtual=2))
     assert diagnosis.split.schedule.name == "interleaved"

@@ -226,5 +226,6 @@ def test_cuda_stages_get_nvtx_and_profiler_ranges_and_a_traced_bubble(tmp_path):
     prof.export_chrome_trace(str(path))
     names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
     assert {labels.label(a) for row in pipe.plan(4).actions for a in row} <= names
+    assert t.contexts[0].memory_peak[0] > 0 and t.contexts[0].memory_limit[0] > 0
     t.write(tmp_path / "cuda.json")
     assert _cli(tmp_path / "cuda.json") == 0

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
+
+import torch
 
 from ..doctor_io import StepContext
 from ..placement import worker_groups
@@ -79,6 +81,7 @@ def finish_step(door: Any, step: StepState, samples: int, started: float) -> Non
             step_called=started - step.recorder.origin + offset,
             step_end=now - step.recorder.origin + offset,
             action_overhead=_action_overhead(step), threads=_threads(door, step),
+            **_cuda_memory(door, step),
             schedule=door.schedule, virtual_stages=door.virtual_stages,
             balance=tuple(door.balance), samples=samples, checkpoint=door.checkpoint)
         trace.last_end = now
@@ -106,6 +109,18 @@ def _threads(door: Any, step: StepState) -> Optional[Tuple[Tuple[int, ...], ...]
     gpu = sum(1 for d in devices if d.type != "cpu")
     groups = worker_groups(devices, max(1, len(step.busy) - gpu))
     return tuple(tuple(group) for group in groups)
+
+
+def _cuda_memory(door: Any, step: StepState) -> Dict[str, Tuple[float, ...]]:
+    """Per stage of a ``Pipe`` whose stages are all on GPUs, the peak bytes allocated on its
+    device (since the last reset) and the device's capacity; nothing otherwise."""
+    devices = getattr(door, "devices", None)
+    if not isinstance(devices, tuple) or len(devices) != _local_stages(step) or not all(
+            d.type == "cuda" for d in devices):
+        return {}
+    return {"memory_peak": tuple(float(torch.cuda.max_memory_allocated(d)) for d in devices),
+            "memory_limit": tuple(float(torch.cuda.get_device_properties(d).total_memory)
+                                  for d in devices)}
 
 
 def _local_stages(step: StepState) -> int:
