@@ -23,11 +23,12 @@ from torch import nn
 from . import amp, microbatch, selective
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import check_chunks, check_flag, check_timeout, check_virtual_stages
-from .runtime import adaptive, auto
+from .runtime import adaptive, auto, vitals
 from .runtime.driver import Driver
 from .runtime.stash import check_optimizer_argument, step_optimizer
 from .runtime.step import StepState
 from .runtime.trace import StepRecorder, Trace
+from .runtime.vitals import StepStats
 from .schedule import Schedule, get_schedule
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -161,6 +162,12 @@ class FrontDoor(nn.Module):
         """Model chunks per physical stage."""
         return self.layout.virtual_stages
 
+    @property
+    def last_step(self) -> Optional[StepStats]:
+        """The last training step's samples/s, wall time and measured bubble share
+        (``fastpipe.runtime.vitals.StepStats``), kept without tracing; ``None`` before the first."""
+        return self.__dict__.get("_last_step")
+
     def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
         """The validated schedule this pipe runs for ``num_microbatches`` (default ``chunks``)."""
         return validated_schedule(self._schedule_name, self.num_stages,
@@ -218,6 +225,7 @@ class FrontDoor(nn.Module):
             self._driver.before_update(optimizer, scaler)
             step_optimizer(optimizer, scaler)
         self._measured(sum(sizes), start)
+        vitals.finish_step(self, step, sum(sizes), start)
         return loss
 
     def forward(self, inputs: Any) -> Any:

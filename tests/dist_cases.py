@@ -359,6 +359,22 @@ def traced(schedule: str = "1f1b", v: int = 1) -> Dict:
             "makespan": timeline.makespan}
 
 
+def doctored(path: str, wait: float = 0.2) -> Dict:
+    """A traced step that waited ``wait`` seconds for its input, written by the first rank to
+    ``path`` for ``python -m fastpipe doctor``; every rank's ``last_step``."""
+    pipe = DistributedPipe(model(), chunks=4, schedule="1f1b", timeout=30)
+    x, y = data(8)
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    with pipe.trace() as t:
+        time.sleep(wait)
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    if dist.get_rank() == 0:
+        t.write(path)
+    stats = pipe.last_step
+    return {"samples": stats.samples, "stages": stats.stages, "bubble": stats.bubble_fraction,
+            "rate": stats.samples_per_second}
+
+
 def pipedream(steps: int = 2) -> Dict:
     """schedule='pipedream' across processes: each rank steps its stage per micro-batch with
     the weight version that micro-batch's forward used; the parameters after each call equal
@@ -635,7 +651,7 @@ def several(cases: List[List[Any]]) -> Dict:
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
                                  loss_checks,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
-                                 auto_chunks, auto_schedule, traced, pipedream,
+                                 auto_chunks, auto_schedule, traced, doctored, pipedream,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
                                  skip_connections, evaluate, several)}
