@@ -84,9 +84,7 @@ def transparency(schedules: List[List[Any]], batches: List[int], chunks: int = 4
 
 
 def loss_checks() -> Dict:
-    """A float64 model's loss comes back as float64 on every rank, equal to the plain model's;
-    then a detached loss fails the step on every rank before any gradient is written (the last
-    rank raises LossFunctionError, the others stop)."""
+    """A float64 model's loss comes back as float64 on every rank, equal to the plain model's."""
     plain = model().double()
     x, y = data(10)
     x, y = x.double(), y.double()
@@ -95,14 +93,19 @@ def loss_checks() -> Dict:
     loss = pipe.train_step(x, y, nn.functional.mse_loss)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
     check_grads(pipe, ref, "float64")
+    return {"dtype": str(loss.dtype)}
+
+
+def detached_loss() -> Dict:
+    """A detached loss fails the step on every rank before any gradient is written (the last
+    rank raises LossFunctionError, the others stop)."""
     fresh = DistributedPipe(model(), chunks=3, timeout=30)
     try:
         fresh.train_step(*data(10), lambda o, t: nn.functional.mse_loss(o, t).detach())
         error = None
     except Exception as caught:  # noqa: BLE001 - reported to the test
         error = type(caught).__name__
-    return {"dtype": str(loss.dtype), "detached": error,
-            "untouched": all(p.grad is None for p in fresh.parameters())}
+    return {"detached": error, "untouched": all(p.grad is None for p in fresh.parameters())}
 
 
 def data_parallel(schedule: str = "1f1b", steps: int = 2) -> Dict:
@@ -649,7 +652,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
-                                 loss_checks,
+                                 loss_checks, detached_loss,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
                                  auto_chunks, auto_schedule, traced, doctored, pipedream,
                                  meta_and_factories, tied_weights,
