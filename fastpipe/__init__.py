@@ -15,13 +15,14 @@ from .errors import (PipelineAborted, PipelineError, PipelineTimeout, StageFailu
 from .info import format_info, info
 from .ops import reference_transfer, transfer
 from .pipe import Pipe
+from .compat import GPipe
 from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Action", "ActionKind", "DistributedPipe", "FastpipeNativeWarning", "Pipe", "PipelineAborted",
-    "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError", "StageFailure", "amp",
+    "Action", "ActionKind", "DistributedPipe", "FastpipeNativeWarning", "GPipe", "Pipe",
+    "PipelineAborted", "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError", "StageFailure", "amp",
     "balance", "batchnorm", "distributed", "format_info", "get_schedule", "info", "init_mesh",
     "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
     "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",

@@ -1,7 +1,7 @@
 """Typed errors raised by fastpipe, each naming what went wrong and how to fix it."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 class PipelineError(RuntimeError):
@@ -25,7 +25,9 @@ class PipelineTimeout(PipelineError, TimeoutError):
 
 
 class StageFailure(PipelineError):
-    """A stage raised while running an action; carries where it happened.
+    """A stage failed while running an action, for a reason of fastpipe's own; carries where it
+    happened. (Exceptions raised by the user's layers and loss reach the caller with their own
+    type, located by a note: see :func:`located`.)
 
     The original exception is chained as ``__cause__``.
     """
@@ -39,3 +41,23 @@ class StageFailure(PipelineError):
 
 class PipelineAborted(PipelineError):
     """A stage stopped because another stage of the same step failed first."""
+
+
+def located(error: BaseException, action: Any, rank: Optional[int] = None) -> BaseException:
+    """``error`` (raised by the user's code in ``action``) with a note saying where it ran.
+
+    A user exception keeps its own type, so ``except ValueError:`` around a step works as
+    around the plain model; the note (shown in the traceback) names the rank, stage, action and
+    micro-batch, which also stay readable as ``error.pipeline_location`` (a dict).
+    """
+    where = {"rank": rank, "stage": action.stage, "action": str(action),
+             "microbatch": action.microbatch}
+    if getattr(error, "pipeline_location", None) is None:
+        prefix = f"rank {rank}, " if rank is not None else ""
+        error.add_note(f"raised in the pipeline at {prefix}stage {action.stage}, action {action} "
+                       f"(micro-batch {action.microbatch})")
+        try:
+            error.pipeline_location = where  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__
+            pass
+    return error

@@ -57,7 +57,8 @@ def tie(module: nn.Module, groups: Sequence[Sequence[str]]) -> None:
 
 def find(module: nn.Sequential, balance: Sequence[int]) -> List[TiedWeight]:
     """The parameters that layers of more than one stage share (``balance``: layers per stage)."""
-    stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
+    stage_of = [s for s, count in enumerate(balance) for _ in range(count)]
+    stage_of_layer = {name: stage_of[i] for i, name in enumerate(module._modules)}  # any names
     names: Dict[int, List[str]] = {}
     params: Dict[int, nn.Parameter] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -65,7 +66,7 @@ def find(module: nn.Sequential, balance: Sequence[int]) -> List[TiedWeight]:
         params[id(param)] = param
     found = []
     for key, shared in names.items():
-        stages = sorted({stage_of_layer[int(n.split(".", 1)[0])] for n in shared})
+        stages = sorted({stage_of_layer[n.split(".", 1)[0]] for n in shared})
         if len(stages) > 1:
             found.append(TiedWeight(tuple(shared), params[key], tuple(stages)))
     return found

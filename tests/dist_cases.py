@@ -145,12 +145,16 @@ def variable_shapes(schedule: str = "1f1b") -> Dict:
     return {"ok": True}
 
 
+class UserBoom(ValueError):
+    """A user's own exception type: it must reach the caller as itself."""
+
+
 class Boom(nn.Module):
     """Raises in the forward of the micro-batch whose first element is tagged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
-            raise RuntimeError("boom in a user layer")
+            raise UserBoom("boom in a user layer")
         return x
 
 
@@ -193,7 +197,8 @@ def failure(kind: str, failing_rank: int, timeout: float = 20.0, linger: float =
         seconds = time.monotonic() - start
         if dist.get_rank() == failing_rank:
             time.sleep(linger)
-        return {"error": type(error).__name__, "message": str(error)[:600], "seconds": seconds}
+        return {"error": type(error).__name__, "message": str(error)[:600], "seconds": seconds,
+                "notes": list(getattr(error, "__notes__", []))}
     return {"error": None, "seconds": time.monotonic() - start}
 
 
@@ -316,7 +321,8 @@ def boundary_mismatch() -> Dict:
     try:
         pipe.train_step(x, y, nn.functional.mse_loss)
     except Exception as error:  # noqa: BLE001 - reported to the test
-        return {"error": type(error).__name__, "message": str(error)[:400]}
+        return {"error": type(error).__name__, "message": str(error)[:400],
+                "notes": list(getattr(error, "__notes__", []))}
     return {"error": None}
 
 

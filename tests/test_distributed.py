@@ -98,9 +98,14 @@ def test_a_raising_rank_stops_every_other_rank_fast(world, failing, linger):
         assert r.result is not None, describe(results)
         assert r.result["error"] is not None
         assert r.result["seconds"] < 10.0, describe(results)  # well within the 30 s timeout
-        assert f"rank {failing}" in r.result["message"], describe(results)
+        told = r.result["message"] + " ".join(r.result["notes"])
+        assert f"rank {failing}" in told, describe(results)
         assert "boom in a user layer" in r.result["message"]
-    assert results[failing].result["error"] == "StageFailure"
+    # the user's own exception type reaches the caller, located by a note
+    assert results[failing].result["error"] == "UserBoom"
+    assert results[failing].result["notes"] == [
+        f"raised in the pipeline at rank {failing}, stage {failing}, action {failing}F3 "
+        f"(micro-batch 3)"]
     assert all(r.result["error"] == "PipelineAborted" for i, r in enumerate(results)
                if i != failing)
 
@@ -146,8 +151,9 @@ def test_a_boundary_shape_mismatch_is_a_clear_error_at_the_first_step():
     results = launch("boundary_mismatch", 2, limit=120)
     assert all(r.result is not None for r in results), describe(results)
     failed = results[1].result
-    assert failed["error"] == "StageFailure"
-    assert failed["message"].startswith("rank 1: stage 1 failed in action 1F0 (micro-batch 0)")
+    assert failed["error"] == "RuntimeError"  # torch's own error, as the plain model raises it
+    assert failed["notes"] == ["raised in the pipeline at rank 1, stage 1, action 1F0 "
+                               "(micro-batch 0)"]
     assert "rank 1 (stage 1) failed" in results[0].result["message"]
 
 

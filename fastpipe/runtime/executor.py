@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
+from ..errors import PipelineAborted, PipelineError, PipelineTimeout, located
 from ..schedule import Action, ActionKind, Schedule
 from .mailbox import Mailbox
 from .stage import Stage
@@ -31,6 +31,8 @@ class LocalExecutor:
 
     ``groups[w]`` lists the physical stages worker ``w`` runs, in pipeline order.
     """
+
+    rank: Optional[int] = None  # the process's pipeline rank, named in errors (distributed)
 
     def __init__(self, groups: Sequence[Sequence[int]],
                  handlers: Dict[ActionKind, Handler] = HANDLERS) -> None:
@@ -162,10 +164,8 @@ class LocalExecutor:
         except BaseException as error:
             step.abort.trip(f"stage {action.stage} failed in action {action}: "
                             f"{type(error).__name__}: {error}")
-            raise StageFailure(
-                f"stage {action.stage} failed in action {action} (micro-batch "
-                f"{action.microbatch}): {type(error).__name__}: {error}",
-                stage=action.stage, action=str(action), microbatch=action.microbatch) from error
+            located(error, action, self.rank)
+            raise
         step.progress[action.stage] = ("finished", action)
         step.busy[worker] += time.perf_counter() - start
         step.done()

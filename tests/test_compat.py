@@ -1,0 +1,206 @@
+"""torchgpipe programs after the import switch: ``GPipe``, the balance helpers, exceptions."""
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import fastpipe
+from fastpipe import GPipe
+from fastpipe.balance import balance_by_size, balance_by_time
+from helpers import assert_same_grads, grads_of, mlp, reference
+
+
+def test_readme_example_of_torchgpipe_runs_after_the_import_switch():
+    # torchgpipe's README, with `from torchgpipe import GPipe` changed and CPU devices
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    plain = copy.deepcopy(model)
+    model = GPipe(model, balance=[2, 3], devices=["cpu", "cpu"], chunks=8)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    output = model(x)
+    loss = nn.functional.mse_loss(output, y)
+    loss.backward()
+    expected_loss, expected = reference(plain, x, y, nn.functional.mse_loss)
+    torch.testing.assert_close(loss.detach(), expected_loss, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_of(model), expected)
+
+
+def test_balance_is_the_second_positional_argument_and_the_rest_keyword_only():
+    pipe = GPipe(mlp(depth=5), [3, 2], devices=["cpu", "cpu"], chunks=4)
+    assert pipe.balance == [3, 2] and isinstance(pipe.balance, list)
+    assert pipe.devices == [torch.device("cpu")] * 2 and isinstance(pipe.devices, list)
+    assert pipe.chunks == 4 and pipe.checkpoint == "except_last"
+    with pytest.raises(TypeError):
+        GPipe(mlp(depth=5), [3, 2], ["cpu", "cpu"])  # devices is keyword-only, as in torchgpipe
+
+
+def test_gpipe_behaves_like_the_sequential_it_wraps():
+    layers = [nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
+    pipe = GPipe(nn.Sequential(*layers), balance=[2, 2, 1], devices=["cpu"] * 3)
+    assert len(pipe) == 5
+    assert pipe[0] is layers[0] and pipe[4] is layers[4] and pipe[-1] is layers[-1]
+    assert pipe[-3] is layers[2]
+    assert list(pipe) == layers
+    with pytest.raises(IndexError):
+        pipe[5]
+    assert isinstance(pipe.partitions, nn.ModuleList) and len(pipe.partitions) == 3
+    assert [len(p) for p in pipe.partitions] == [2, 2, 1]
+    assert pipe.partitions[1][0] is layers[2]
+    assert isinstance(pipe, nn.Module) and isinstance(pipe, fastpipe.Pipe)
+
+
+def test_devices_beyond_the_balance_are_left_unused_as_in_torchgpipe():
+    pipe = GPipe(mlp(depth=4), balance=[2, 2], devices=["cpu"] * 4)
+    assert pipe.devices == [torch.device("cpu")] * 2
+
+
+def test_gpipe_checks_its_arguments_before_any_work():
+    with pytest.raises(ValueError, match="checkpoint"):
+        GPipe(mlp(depth=4), balance=[2, 2], devices=["cpu"] * 2, checkpoint="sometimes")
+    with pytest.raises(ValueError, match="chunks"):
+        GPipe(mlp(depth=4), balance=[2, 2], devices=["cpu"] * 2, chunks=0)
+    with pytest.raises(ValueError, match="sums to 3"):
+        GPipe(mlp(depth=4), balance=[2, 1], devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        GPipe(nn.Linear(2, 2), balance=[1], devices=["cpu"])
+
+
+def test_deferred_batch_norm_and_checkpoint_modes_pass_through():
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, balance=[2, 2], devices=["cpu"] * 2, chunks=4, checkpoint="always",
+                 deferred_batch_norm=True)
+    x = torch.randn(16, 6)
+    pipe(x).sum().backward()
+    plain(x).sum().backward()
+    torch.testing.assert_close(model[1].running_mean, plain[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, plain[1].running_var)
+    assert model[1].num_batches_tracked.item() == 1  # once per mini-batch, not per micro-batch
+
+
+def test_gpipe_keeps_fastpipe_options_for_programs_that_outgrow_torchgpipe():
+    model = mlp(depth=4)
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=4, schedule="1f1b")
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, expected_loss)
+    assert_same_grads(grads_of(model), expected)
+
+
+# -- balance helpers with torchgpipe's signatures ----------------------------------------------
+
+
+def test_balance_by_time_has_torchgpipe_signature():
+    model = mlp(depth=6)
+    balance = balance_by_time(2, model, torch.randn(4, 8), timeout=0.2, device="cpu")
+    assert sum(balance) == 6 and len(balance) == 2
+    pipe = GPipe(model, balance, devices=["cpu"] * 2)
+    assert pipe.balance == balance
+
+
+class Keeper(nn.Module):
+    """Keeps four input-sized tensors for backward but returns a small output."""
+
+    def forward(self, x):
+        h = torch.sigmoid(x) * torch.tanh(x) * torch.exp(x) * torch.sin(x)
+        return h.sum(dim=1, keepdim=True).expand_as(x)[:, :1]
+
+
+def test_balance_by_size_counts_what_a_layer_keeps_for_backward():
+    widen = nn.Linear(16, 16, bias=False)
+    model = nn.Sequential(Keeper(), nn.Linear(1, 16, bias=False), widen, nn.Linear(16, 16))
+    x = torch.randn(64, 16)
+    before = copy.deepcopy(model.state_dict())
+    sizes = fastpipe.balance.profile_saved_sizes(model, x[:16], param_scale=0.0)
+    # the first layer keeps several 16x16 float tensors though its output is 16x1
+    assert sizes[0] >= 4 * 16 * 16 * 4
+    assert sizes[0] > 4 * sizes[1]
+    assert balance_by_size(2, model, x, chunks=4, param_scale=0.0, device="cpu") == [1, 3]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_balance_by_size_uses_one_microbatch_and_scales_parameters():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    one = fastpipe.balance.profile_saved_sizes(model, torch.randn(2, 4), param_scale=1.0)
+    none = fastpipe.balance.profile_saved_sizes(model, torch.randn(2, 4), param_scale=0.0)
+    assert one[0] - none[0] == (16 + 4) * 4
+    with pytest.raises(ValueError, match="chunks"):
+        balance_by_size(1, model, torch.randn(2, 4), chunks=0)
+
+
+# -- user exceptions keep their type ------------------------------------------------------------
+
+
+class UserError(Exception):
+    """A user's own exception type."""
+
+
+class Raises(nn.Module):
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def forward(self, x):
+        if x.shape[0] == self.at:
+            raise UserError("bad sample")
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_user_exception_reaches_the_caller_with_its_own_type(schedule):
+    model = nn.Sequential(nn.Linear(4, 4), Raises(at=1), nn.Linear(4, 4))
+    pipe = fastpipe.Pipe(model, chunks=3, balance=[1, 1, 1], devices=["cpu"] * 3,
+                         schedule=schedule)
+    with pytest.raises(UserError) as info:
+        pipe.train_step(torch.randn(5, 4), torch.randn(5, 4), nn.MSELoss())  # sizes 2, 2, 1
+    assert str(info.value) == "bad sample"  # the message is the user's own
+    assert info.value.__notes__ == ["raised in the pipeline at stage 1, action 1F2 "
+                                    "(micro-batch 2)"]
+    pipe.train_step(torch.randn(6, 4), torch.randn(6, 4), nn.MSELoss())  # still usable
+
+
+def test_gpipe_forward_and_loss_errors_keep_their_type():
+    pipe = GPipe(nn.Sequential(nn.Linear(4, 4), Raises(at=3)), [1, 1], devices=["cpu"] * 2,
+                 chunks=2)
+    with pytest.raises(UserError) as info:
+        pipe(torch.randn(6, 4))
+    assert "stage 1, action 1F0 (micro-batch 0)" in info.value.__notes__[0]
+
+    def loss_fn(out, target):
+        raise KeyError("no such target")
+
+    with pytest.raises(KeyError):
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), loss_fn)
+
+
+def test_fastpipe_own_failures_stay_typed():
+    class Slow(nn.Module):
+        def forward(self, x):
+            import time
+            time.sleep(0.6)
+            return x
+
+    pipe = fastpipe.Pipe(nn.Sequential(Slow(), nn.Linear(4, 4)), chunks=2, balance=[1, 1],
+                         devices=["cpu"] * 2, timeout=0.2)
+    with pytest.raises(fastpipe.PipelineTimeout):
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+
+
+# -- named children -----------------------------------------------------------------------------
+
+
+def test_a_sequential_with_named_children_builds_and_trains():
+    model = nn.Sequential(OrderedDict([("embed", nn.Linear(8, 8)), ("act", nn.ReLU()),
+                                       ("head", nn.Linear(8, 4))]))
+    plain = copy.deepcopy(model)
+    pipe = GPipe(model, [1, 2], devices=["cpu"] * 2, chunks=2)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    loss = pipe.train_step(x, y, nn.MSELoss())
+    expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+    torch.testing.assert_close(loss, expected_loss)
+    assert_same_grads(grads_of(model), expected)
+    assert "embed.weight" in pipe.state_dict()
