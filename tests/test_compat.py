@@ -204,3 +204,127 @@ def test_a_sequential_with_named_children_builds_and_trains():
     torch.testing.assert_close(loss, expected_loss)
     assert_same_grads(grads_of(model), expected)
     assert "embed.weight" in pipe.state_dict()
+
+
+# -- skip connections in torchgpipe's generator form ---------------------------------------------
+
+from fastpipe.skip import Namespace, pop, skippable, stash, verify_skippables  # noqa: E402
+
+
+@skippable(stash=["1to3"])
+class Layer1(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, input):
+        yield stash("1to3", input)
+        return torch.tanh(self.lin(input))
+
+
+@skippable(pop=["1to3"])
+class Layer3(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, input):
+        skip_1to3 = yield pop("1to3")
+        return self.lin(input) * skip_1to3
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def forward(self, input):
+        yield stash("skip", input * 2)
+        return input
+
+
+@skippable(pop=["skip"])
+class PopAdd(nn.Module):
+    def forward(self, input):
+        skip = yield pop("skip")
+        return input + skip
+
+
+@skippable(stash=["maybe"])
+class StashNone(nn.Module):
+    def forward(self, input):
+        yield stash("maybe", None)
+        return input
+
+
+@skippable(pop=["maybe"])
+class PopNone(nn.Module):
+    def forward(self, input):
+        maybe = yield pop("maybe")
+        assert maybe is None
+        return input
+
+
+def _check_gpipe_transparent(model, balance, chunks=3, checkpoint="except_last"):
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(7, 8), torch.randn(7, 8)
+    expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+    pipe = GPipe(model, balance, devices=["cpu"] * len(balance), chunks=chunks,
+                 checkpoint=checkpoint)
+    loss = nn.MSELoss()(pipe(x), y)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), expected_loss, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_of(model), expected)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_generator_skips_run_unsplit_and_in_a_pipe(checkpoint):
+    model = nn.Sequential(Layer1(), nn.Linear(8, 8), Layer3(), nn.Linear(8, 8))
+    verify_skippables(model)
+    _check_gpipe_transparent(model, [1, 2, 1], checkpoint=checkpoint)
+
+
+def test_namespaces_isolate_two_uses_of_one_skippable_class():
+    ns1, ns2 = Namespace(), Namespace()
+    model = nn.Sequential(Stash().isolate(ns1), nn.Linear(8, 8), Stash().isolate(ns2),
+                          nn.Linear(8, 8), PopAdd().isolate(ns2), nn.Linear(8, 8),
+                          PopAdd().isolate(ns1))
+    verify_skippables(model)
+    _check_gpipe_transparent(model, [2, 2, 3])
+    # without namespaces the same layers clash, and the pipe says so before any work
+    clash = nn.Sequential(Stash(), Stash(), PopAdd(), PopAdd())
+    with pytest.raises(ValueError, match="stashed by layers"):
+        GPipe(clash, [2, 2], devices=["cpu"] * 2)
+
+
+def test_stash_none_reaches_its_pop_across_stages():
+    model = nn.Sequential(StashNone(), nn.Linear(8, 8), PopNone(), nn.Linear(8, 8))
+    verify_skippables(model)
+    _check_gpipe_transparent(model, [2, 2])
+    pipe = fastpipe.Pipe(copy.deepcopy(model), chunks=2, balance=[1, 3], devices=["cpu"] * 2,
+                         schedule="1f1b")
+    pipe.train_step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
+
+
+def test_verify_skippables_lists_every_problem_as_torchgpipe_does():
+    ns = Namespace()
+    model = nn.Sequential(Stash(), Stash(), PopAdd().isolate(ns), Layer1())
+    with pytest.raises(TypeError) as info:
+        verify_skippables(model)
+    assert str(info.value) == (
+        "one or more pairs of stash and pop do not match:\n\n"
+        "* '1' redeclared 'skip' as stashable but not isolated by namespace\n"
+        "* '2' declared 'skip' as poppable but it was not stashed\n"
+        "* no module declared '1to3' as poppable but stashed\n"
+        "* no module declared 'skip' as poppable but stashed")
+
+
+def test_isolate_only_some_names_and_reject_unknown_ones():
+    ns = Namespace()
+    layer = Stash().isolate(ns, only=["skip"])
+    assert skip_declared(layer).stash == (f"skip@{ns.label}",)
+    with pytest.raises(ValueError, match="does not declare"):
+        Stash().isolate(ns, only=["other"])
+    with pytest.raises(TypeError, match="Namespace"):
+        Stash().isolate("ns")
+
+
+def skip_declared(layer):
+    return fastpipe.skip.declared(layer)
