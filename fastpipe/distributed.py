@@ -343,13 +343,13 @@ class DistributedPipe(FrontDoor):
                 raise ValueError(f"inputs is None on rank {self._topology.rank}, which holds the "
                                  f"first stage: pass the batch on this rank")
             total = microbatch.batch_size(inputs, argument="inputs")
-            sizes = microbatch.split_sizes(total, self._step_chunks(total))
+            sizes = self._split(total, self._step_chunks(total))
         if targets is not None:
             total = microbatch.batch_size(targets, argument="targets")
             if sizes is not None and sum(sizes) != total:
                 raise ValueError(f"targets has batch size {total} but inputs has {sum(sizes)}; "
                                  f"give one target per input sample")
-            sizes = microbatch.split_sizes(total, self._step_chunks(total), argument="targets")
+            sizes = self._split(total, self._step_chunks(total), argument="targets")
         elif need_targets:
             raise ValueError(f"targets is None on rank {self._topology.rank}, which holds the "
                              f"last stage: pass the targets on this rank")
@@ -394,9 +394,9 @@ class DistributedPipe(FrontDoor):
             learned_from = self._topology.owner[entry - 1]
             header = self._executor.learn_microbatches(learned_from, step)
             learned = microbatch.split_sizes(header.batch_size, header.num_microbatches)
-            if not self._auto_chunks and learned != microbatch.split_sizes(header.batch_size,
-                                                                            self._chunks):
-                mine = len(microbatch.split_sizes(header.batch_size, self._chunks))
+            if not self._auto_chunks and learned != self._split(header.batch_size,
+                                                                 self._chunks):
+                mine = len(self._split(header.batch_size, self._chunks))
                 raise RuntimeError(f"rank {learned_from} split a batch of {header.batch_size} "
                                    f"into {header.num_microbatches} micro-batches but this rank "
                                    f"into {mine}: build the pipes with the same chunks on every "

@@ -200,7 +200,7 @@ class Pipe(FrontDoor):
         if target_total != total:
             raise ValueError(f"targets has batch size {target_total} but inputs has {total}; "
                              f"give one target per input sample")
-        sizes = microbatch.split_sizes(total, self._step_chunks(total))
+        sizes = self._split(total, self._step_chunks(total))
         start = time.perf_counter()
         schedule = self.plan(len(sizes))
         weights = [s / total for s in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
@@ -226,7 +226,7 @@ class Pipe(FrontDoor):
         in autograd's order, as in GPipe).
         """
         total = microbatch.batch_size(inputs, argument="inputs")
-        sizes = microbatch.split_sizes(total, self._chunks)
+        sizes = self._split(total, self._chunks)
         schedule = self.plan(len(sizes))
         grad = torch.is_grad_enabled()
         stop = checkpoint_stop(self._checkpoint, len(sizes)) if grad and self.training else 0
