@@ -130,7 +130,8 @@ class Pipe(FrontDoor):
         object.__setattr__(self, "_partitions", nn.ModuleList(parts))
         object.__setattr__(self, "_stages", [Stage(k, part, device, deferred_batch_norm=deferred)
                                              for k, (part, device) in enumerate(zip(parts, where))])
-        tied_weights.bind(self._stages, tied_weights.find(module, self._balance))
+        object.__setattr__(self, "_tied_grads", tied_weights.bind(
+            self._stages, tied_weights.find(module, self._balance)))
         skip_exchange.wire(self._stages, skips)
         if use_graphs:
             graphs.enable(self._stages)
@@ -272,10 +273,12 @@ class Pipe(FrontDoor):
         _order_streams(self._stages, before=True)
         batchnorm.discard(self._stages)
         graphs.before_step(self._stages, step.train)
+        self._tied_grads.begin(step.train and step.handlers is None)  # not under PipeDream
         try:
             self._workers.executor().run(programs, step, schedule)
         finally:
             _order_streams(self._stages, before=False)
+        self._tied_grads.flush()  # tied weights' gradients, summed in stage order
         graphs.after_step(self._stages)
         batchnorm.commit(self._stages)
         self._workers.observe(step)

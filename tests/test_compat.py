@@ -366,3 +366,48 @@ def test_gpipe_batch_smaller_than_chunks_as_in_torchgpipe():
     pipe = GPipe(model, [2, 2], devices=["cpu"] * 2, chunks=8)
     x = torch.randn(2, 8)
     torch.testing.assert_close(pipe(x), plain(x))
+
+
+# -- tied weights: the gradient sum does not depend on thread timing --------------------------------
+
+
+class Delay(nn.Module):
+    """Identity whose backward sleeps when ``slow`` is set: shifts the threads' interleaving."""
+
+    def __init__(self):
+        super().__init__()
+        self.slow = False
+
+    def forward(self, x):
+        if self.slow and x.requires_grad:
+            import time
+            x.register_hook(lambda g: time.sleep(0.004))
+        return x
+
+
+def _tied_lm():
+    vocab, dim = 50, 16
+    model = nn.Sequential(nn.Embedding(vocab, dim), Delay(), nn.Linear(dim, dim), nn.Tanh(),
+                          Delay(), nn.Linear(dim, vocab, bias=False))
+    model[5].weight = model[0].weight
+    return model
+
+
+def test_tied_gradients_are_bitwise_identical_whatever_the_thread_timing():
+    torch.manual_seed(0)
+    model = _tied_lm()
+    x, y = torch.randint(0, 50, (64,)), torch.randint(0, 50, (64,))
+    pipe = fastpipe.Pipe(model, chunks=16, balance=[2, 2, 2], devices=["cpu"] * 3,
+                         schedule="1f1b", checkpoint="never", cpu_workers=3)
+    results = []
+    for slow in [None, 1, 4, None]:
+        for i in (1, 4):
+            model[i].slow = i == slow
+        pipe.zero_grad(set_to_none=True)
+        pipe.train_step(x, y, nn.functional.cross_entropy)
+        results.append(model[0].weight.grad.clone())
+    for grad in results[1:]:
+        assert torch.equal(grad, results[0])
+    plain = copy.deepcopy(model)
+    _, expected = reference(plain, x, y, nn.functional.cross_entropy)
+    assert_same_grads(grads_of(model), expected)
