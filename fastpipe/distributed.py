@@ -30,7 +30,7 @@ from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .errors import PipelineAborted, PipelineError
 from .frontdoor import FrontDoor, check_step_arguments
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
-                        check_virtual_stages)
+                        resolve_virtual_stages)
 from .runtime.board import Board, wait_work
 from .runtime.dist_executor import (DistributedExecutor, Topology, flows,
                                     last_gradient_actions, links)
@@ -83,7 +83,8 @@ class DistributedPipe(FrontDoor):
             default: by parameter count for an ``nn.Sequential``, by layer count for factories.
         checkpoint: a checkpoint mode of ``Pipe`` (``'never'``, ``'except_last'``,
             ``'always'``, ``'selective'``, ``'offload'``).
-        virtual_stages: model chunks per rank (interleaved and V-shaped schedules).
+        virtual_stages: model chunks per rank (interleaved and V-shaped schedules; default 2
+            for ``'zbv'`` and ``'dualpipev'``, else 1).
         process_group: the pipeline's ranks, in stage order (default: the whole world).
         data_parallel_group: the replicas of this rank's stage in other pipelines; their
             gradients are averaged (default: none).
@@ -101,7 +102,7 @@ class DistributedPipe(FrontDoor):
 
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last", *,
-                 virtual_stages: int = 1, process_group: Optional[Any] = None,
+                 virtual_stages: Optional[int] = None, process_group: Optional[Any] = None,
                  data_parallel_group: Optional[Any] = None,
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
@@ -120,7 +121,7 @@ class DistributedPipe(FrontDoor):
         self.chunk_search: Optional[adaptive.ChunkSearch] = None  # chunks='auto', first rank
         self._checkpoint = check_mode(checkpoint)
         self._timeout = check_timeout(timeout)
-        self._virtual = check_virtual_stages(virtual_stages)
+        self._virtual = resolve_virtual_stages(virtual_stages, schedule)
         self._schedule_name = auto.check_name(schedule)
         self._auto = self._schedule_name == "auto"
         if self._auto:

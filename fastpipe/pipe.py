@@ -18,8 +18,8 @@ from . import amp, batchnorm, microbatch, tied as tied_weights
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .frontdoor import FrontDoor, check_step_arguments
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
-                        check_flag, check_module, check_timeout, check_virtual_stages, check_workers,
-                        default_partitions, resolve_devices, split)
+                        check_flag, check_module, check_timeout, check_workers,
+                        default_partitions, resolve_devices, resolve_virtual_stages, split)
 from .runtime import stash
 from .runtime.stage import Stage
 from .skip import exchange as skip_exchange, layout as skip_layout
@@ -55,7 +55,8 @@ class Pipe(FrontDoor):
             ``auto_ranking``).
         virtual_stages: model chunks per device, for interleaved and V-shaped schedules; then
             ``balance`` lists ``len(devices) * virtual_stages`` chunk sizes in model order and
-            the schedule's placement decides which device holds which chunk.
+            the schedule's placement decides which device holds which chunk. Default: 2 for
+            ``'zbv'`` and ``'dualpipev'`` (they need two), else 1.
         timeout: seconds any stage may wait for an input (and any action may run) before the
             step fails with an error naming the stage, the action and the micro-batch.
         cpu_workers: threads that run the CPU stages (consecutive stages share a thread when
@@ -82,7 +83,7 @@ class Pipe(FrontDoor):
     def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
-                 schedule: str = "gpipe", *, virtual_stages: int = 1, timeout: float = 300.0,
+                 schedule: str = "gpipe", *, virtual_stages: Optional[int] = None, timeout: float = 300.0,
                  cpu_workers: Optional[int] = None, deferred_batch_norm: bool = False,
                  tied: Sequence[Sequence[Any]] = (), vertical_sync: bool = False,
                  cuda_graphs: bool = False) -> None:
@@ -93,7 +94,7 @@ class Pipe(FrontDoor):
         object.__setattr__(self, "chunk_search", None)  # chunks='auto': an adaptive.ChunkSearch
         self._checkpoint = check_mode(checkpoint)
         self._timeout = check_timeout(timeout)
-        self._virtual = check_virtual_stages(virtual_stages)
+        self._virtual = resolve_virtual_stages(virtual_stages, schedule)
         workers = check_workers(cpu_workers)
         deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
         use_graphs = check_flag(cuda_graphs, "cuda_graphs")

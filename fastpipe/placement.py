@@ -173,6 +173,18 @@ def check_virtual_stages(virtual_stages: object) -> int:
     return virtual_stages
 
 
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules that hold exactly two model chunks per device."""
+
+
+def resolve_virtual_stages(virtual_stages: object, schedule: object) -> int:
+    """``virtual_stages``, checked; ``None`` (not given) means what ``schedule`` needs: 2 for
+    the V-shaped schedules, else 1."""
+    if virtual_stages is None:
+        return 2 if isinstance(schedule, str) and schedule.lower() in V_SHAPED else 1
+    return check_virtual_stages(virtual_stages)
+
+
 def check_chunk_count(chunks: int, virtual_stages: int) -> int:
     """The number of devices (physical stages) for ``chunks`` model chunks."""
     if chunks % virtual_stages:

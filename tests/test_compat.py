@@ -411,3 +411,19 @@ def test_tied_gradients_are_bitwise_identical_whatever_the_thread_timing():
     plain = copy.deepcopy(model)
     _, expected = reference(plain, x, y, nn.functional.cross_entropy)
     assert_same_grads(grads_of(model), expected)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "ZBV"])
+def test_v_shaped_schedules_infer_two_virtual_stages(schedule):
+    model = mlp(depth=8)
+    plain = copy.deepcopy(model)
+    pipe = fastpipe.Pipe(model, chunks=4, devices=["cpu"] * 2, schedule=schedule)
+    assert pipe.virtual_stages == 2 and len(pipe.balance) == 4
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+    torch.testing.assert_close(pipe.train_step(x, y, nn.MSELoss()), expected_loss)
+    assert_same_grads(grads_of(model), expected)
+    with pytest.raises(ValueError, match="must be 2, got 3"):  # an explicit count is checked
+        fastpipe.Pipe(mlp(depth=8), chunks=4, devices=["cpu"] * 2, schedule=schedule,
+                      virtual_stages=3)
+    assert fastpipe.Pipe(mlp(depth=8), devices=["cpu"] * 2).virtual_stages == 1
