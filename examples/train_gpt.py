@@ -74,7 +74,7 @@ def main() -> None:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss.item():.3f}  {times[-1] * 1e3:.1f} ms", flush=True)
     if rank == 0 and args.trace is not None:
-        print(render.ascii(t.timeline, width=90))
+        print(render.ascii(t.timeline))
         render.write_chrome_trace(t.timeline, args.trace)
     if rank == 0:
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
