@@ -240,7 +240,7 @@ def profile_saved_sizes(
     _check_sequential(module)
     _check_positive("param_scale", param_scale, allow_zero=True)
     sizes, x = [], sample
-    with _preserved_rng(module, sample, device), torch.enable_grad():
+    with _preserved_rng(module, sample, device), torch.enable_grad(), _layerwise():
         for layer in module:
             target = _target_device(layer, x, device)
             sandbox = copy.deepcopy(layer).to(target)
@@ -278,7 +278,7 @@ def profile_times(
     _check_positive("repeats", repeats, integer=True)
     deadline = time.perf_counter() + timeout
     times, x = [], sample
-    with _preserved_rng(module, sample, device), torch.enable_grad():
+    with _preserved_rng(module, sample, device), torch.enable_grad(), _layerwise():
         for layer in module:
             target = _target_device(layer, x, device)
             sandbox = copy.deepcopy(layer).to(target).train()
@@ -299,7 +299,7 @@ def profile_sizes(module: nn.Sequential, sample: Any, *, param_scale: float = 2.
     _check_sequential(module)
     _check_positive("param_scale", param_scale, allow_zero=True)
     sizes, x = [], sample
-    with _eval_mode(module), torch.no_grad():
+    with _eval_mode(module), torch.no_grad(), _layerwise():
         for layer in module:
             x = layer(_to(x, _target_device(layer, x, None)))
             params = sum(_nbytes(p) for p in layer.parameters())
@@ -466,6 +466,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type != "cpu" and hasattr(torch, "accelerator"):
         torch.accelerator.synchronize(device)
+
+
+def _layerwise() -> Any:
+    """Skip connections (``fastpipe.skip``) work with layers profiled one at a time."""
+    from .skip.api import layerwise
+
+    return layerwise()
 
 
 @contextmanager

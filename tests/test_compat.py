@@ -427,3 +427,14 @@ def test_v_shaped_schedules_infer_two_virtual_stages(schedule):
         fastpipe.Pipe(mlp(depth=8), chunks=4, devices=["cpu"] * 2, schedule=schedule,
                       virtual_stages=3)
     assert fastpipe.Pipe(mlp(depth=8), devices=["cpu"] * 2).virtual_stages == 1
+
+
+def test_balance_helpers_profile_models_with_skip_connections():
+    ns = Namespace()
+    model = nn.Sequential(Layer1(), Stash().isolate(ns), nn.Linear(8, 8), PopAdd().isolate(ns),
+                          Layer3())
+    x = torch.randn(8, 8)
+    assert sum(balance_by_time(2, model, x, timeout=0.1, device="cpu")) == 5
+    assert sum(balance_by_size(2, model, x, chunks=2, device="cpu")) == 5
+    assert sum(fastpipe.balance.by_size(2, model, x)) == 5
+    torch.testing.assert_close(model(x), copy.deepcopy(model)(x))  # unsplit runs still pair up

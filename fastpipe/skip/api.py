@@ -11,13 +11,14 @@ class can be used twice in a model.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import (Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple, Type,
-                    TypeVar)
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple,
+                    Type, TypeVar)
 
 import torch
 from torch import nn
@@ -191,6 +192,35 @@ class _PlainFrame:
             raise SkipError(f"pop({name!r}) ran before any stash({name!r}) in this forward; "
                             f"stash it in an earlier layer")
         return self.tensors.pop(name)
+
+
+class LayerwiseFrame:
+    """While a profiler runs layers one at a time, each several times (``fastpipe.balance``):
+    a stash keeps a detached copy, and a pop returns it without taking it, so a layer that
+    pops can run again; its gradient stops at the layer, as its input's does."""
+
+    def __init__(self) -> None:
+        self.tensors: Dict[str, Optional[torch.Tensor]] = {}
+
+    def stash(self, name: str, tensor: Optional[torch.Tensor]) -> None:
+        self.tensors[name] = None if tensor is None else \
+            tensor.detach().requires_grad_(tensor.requires_grad)
+
+    def pop(self, name: str) -> Optional[torch.Tensor]:
+        if name not in self.tensors:
+            raise SkipError(f"pop({name!r}) ran before any stash({name!r}); stash it in an "
+                            f"earlier layer")
+        return self.tensors[name]
+
+
+@contextlib.contextmanager
+def layerwise() -> Iterator[None]:
+    """Run the block's layers with a :class:`LayerwiseFrame` (for profilers)."""
+    previous = enter(LayerwiseFrame())
+    try:
+        yield
+    finally:
+        enter(previous)
 
 
 def current() -> Frame:
