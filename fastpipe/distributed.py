@@ -30,7 +30,7 @@ from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .errors import PipelineAborted, PipelineError
 from .frontdoor import FrontDoor, check_step_arguments
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
-                        resolve_virtual_stages)
+                        layer_names, resolve_virtual_stages)
 from .runtime.board import Board, wait_work
 from .runtime.dist_executor import (DistributedExecutor, Topology, flows,
                                     last_gradient_actions, links)
@@ -146,12 +146,13 @@ class DistributedPipe(FrontDoor):
         self._topology = Topology(owner, rank, stage, self._group, self._device)
         starts = [0, *itertools.accumulate(self._balance)]
         kept: "OrderedDict[str, nn.Module]" = OrderedDict()
+        keys = layer_names(module, len(layers))
         stages: List[Any] = []
         for k in range(p * v):
             if owner[k] != rank:
                 stages.append(_RemoteStage(k, self._device))
                 continue
-            part = OrderedDict((str(i), _materialise(layers[i], self._device))
+            part = OrderedDict((keys[i], _materialise(layers[i], self._device))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
             stages.append(Stage(k, nn.Sequential(part), self._device,

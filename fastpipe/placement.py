@@ -128,6 +128,14 @@ def resolve_devices(devices: Optional[Sequence[Device]], partitions: int) -> Lis
     return [parse_device(d) for d in devices[:partitions]]
 
 
+def layer_names(module: object, count: int) -> List[str]:
+    """The plain module's names of its ``count`` layers: an ``nn.Sequential``'s own (``'0'``,
+    or ``'embed'`` when built from an ``OrderedDict``), else their indices."""
+    if isinstance(module, nn.Sequential):
+        return list(module._modules)
+    return [str(i) for i in range(count)]
+
+
 def split(module: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
     """Cut the module into consecutive ``nn.Sequential`` stages sharing its layers."""
     layers = list(module)

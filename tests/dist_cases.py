@@ -6,6 +6,7 @@ success it prints one ``RESULT <json>`` line.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -393,6 +394,31 @@ def tied_weights(schedule: str = "1f1b", steps: int = 3) -> Dict:
     return {"names": [n for n, _ in pipe.named_parameters()]}
 
 
+def compat() -> Dict:
+    """torchgpipe users' cases across processes: layers with names (an OrderedDict) and a
+    weight tied across ranks; a batch smaller than chunks; a short batch an interleaved
+    schedule cannot split into its count; zbv without virtual_stages."""
+    from collections import OrderedDict
+    names = {}
+    for case, (schedule, v, batch) in enumerate([("1f1b", None, 3), ("interleaved", 2, 13),
+                                                 ("zbv", None, 5)]):
+        plain = model(depth=8)
+        named = nn.Sequential(OrderedDict((f"layer{i}", layer) for i, layer in enumerate(plain)))
+        named.layer7 = nn.Linear(WIDTH, WIDTH)
+        named.layer7.weight = named.layer0[0].weight
+        source = copy.deepcopy(named)  # keeps the tie
+        x, y = data(batch, seed=case)
+        y = torch.cat([y, y], 1)
+        ref_loss, _ = reference_grads(named, x, y)
+        ref = {n: p.grad.clone() for n, p in named.named_parameters(remove_duplicate=False)}
+        pipe = DistributedPipe(source, chunks=8, schedule=schedule, virtual_stages=v, timeout=30)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        check_grads(pipe, ref, f"compat {schedule} batch={batch}")
+        names[schedule] = [n for n, _ in pipe.named_parameters()]
+    return {"names": names, "virtual": pipe.virtual_stages}
+
+
 def _name(module: nn.Module, param: nn.Parameter) -> str:
     return next(n for n, p in module.named_parameters() if p is param)
 
@@ -553,7 +579,7 @@ CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, f
                                  auto_chunks, auto_schedule, traced, pipedream,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
-                                 skip_connections, several)}
+                                 skip_connections, compat, several)}
 
 
 def main() -> None:

@@ -39,7 +39,12 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
         ["checkpoint_across_layouts", {}],
         ["skip_connections", {"schedules": [["1f1b", 1, "except_last"], ["zb-h1", 1, "never"],
                                             ["zbv", 2, "always"]]}],
+        ["compat", {}],
     ]}))
+    compat = [r["compat"] for r in results]
+    assert "layer0.0.weight" in compat[0]["names"]["1f1b"]  # named children, tied across ranks
+    assert "layer7.weight" in compat[1]["names"]["1f1b"]
+    assert compat[0]["virtual"] == 2  # zbv inferred it
     keys = [r["meta_and_factories"] for r in results]
     assert keys[0]["meta"] == keys[0]["factories"]
     assert keys[0]["meta"][0] == "0.0.bias" and keys[1]["meta"][-1] == "7.weight"
