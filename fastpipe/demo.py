@@ -29,15 +29,7 @@ def _devices(stages: int) -> List[str]:
 
 
 def _chunks(text: str) -> Union[int, str]:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a positive int or 'auto', got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"takes a positive int or 'auto', got {value}")
-    return value
+    return text if text == "auto" else _positive(text)
 
 
 def _positive(text: str) -> int:

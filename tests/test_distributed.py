@@ -6,14 +6,11 @@ the same process), so a launch passes only if every rank is exact.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
 
-from dist_launch import assert_all_ok, describe, launch
+from dist_launch import assert_all_ok, describe, launch, torchrun
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -135,20 +132,8 @@ def test_mismatched_targets_fail_before_any_backward_on_every_rank():
 
 def test_torchrun_runs_the_example_end_to_end():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", os.path.join(root, "examples", "train_gpt.py"),
-               "--steps", "4", "--batch", "8", "--timeout", "60"]
-    env = dict(os.environ, OMP_NUM_THREADS="1",  # the package's tree, installed or not
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=root, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-        proc.communicate()
-        pytest.fail("torchrun did not finish in 120 s")
-    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    out = torchrun(os.path.join(root, "examples", "train_gpt.py"),
+                   ["--steps", "4", "--batch", "8", "--timeout", "60"], cwd=root)
     assert "median step" in out and "loss nan" not in out
 
 

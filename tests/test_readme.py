@@ -2,13 +2,11 @@
 import os
 import re
 import shlex
-import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from dist_launch import torchrun
 from fastpipe.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,19 +32,7 @@ def test_readme_snippet_runs(index, tmp_path, monkeypatch):
 def _torchrun(code, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(code)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node=2", str(script)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-        proc.communicate()
-        pytest.fail("the torchrun snippet did not finish in 120 s")
-    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    torchrun(str(script), [], cwd=str(tmp_path))
 
 
 COMMANDS = sorted(set(re.findall(r"python -m fastpipe ((?:schedule|simulate)[^`\[]*)",
