@@ -2,7 +2,7 @@
 
 ``Pipe`` splits an ``nn.Sequential`` into stages and runs micro-batches through them on a chosen
 schedule, giving the gradients of the unsplit model; ``DistributedPipe`` does the same with one
-process per stage under ``torchrun``.
+process per stage under ``torchrun``; ``GPipe`` is torchgpipe's front door over ``Pipe``.
 """
 import torch  # noqa: F401  (loads libtorch before the native library needs it)
 
@@ -15,15 +15,15 @@ from .errors import (PipelineAborted, PipelineError, PipelineTimeout, StageFailu
 from .info import format_info, info
 from .ops import reference_transfer, transfer
 from .pipe import Pipe
-from .compat import GPipe
+from .compat import GPipe  # after .pipe: GPipe is a front over Pipe
 from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Action", "ActionKind", "DistributedPipe", "FastpipeNativeWarning", "GPipe", "Pipe",
-    "PipelineAborted", "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError", "StageFailure", "amp",
-    "balance", "batchnorm", "distributed", "format_info", "get_schedule", "info", "init_mesh",
-    "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
-    "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",
+    "PipelineAborted", "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError",
+    "StageFailure", "amp", "balance", "batchnorm", "distributed", "format_info", "get_schedule",
+    "info", "init_mesh", "is_checkpointing", "is_recomputing", "memory", "microbatch", "models",
+    "nn", "ops", "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",
 ]

@@ -25,11 +25,12 @@ class PipelineTimeout(PipelineError, TimeoutError):
 
 
 class StageFailure(PipelineError):
-    """A stage failed while running an action, for a reason of fastpipe's own; carries where it
-    happened. (Exceptions raised by the user's layers and loss reach the caller with their own
-    type, located by a note: see :func:`located`.)
+    """A stage failed while running an action; carries where it happened, the original
+    exception chained as ``__cause__``.
 
-    The original exception is chained as ``__cause__``.
+    Kept for programs that catch it: the pipelines no longer wrap exceptions in it. An
+    exception raised by the user's layers or loss reaches the caller with its own type, located
+    by a note (see :func:`located`); fastpipe's own failures are the other ``PipelineError``s.
     """
 
     def __init__(self, message: str, *, stage: int, action: str, microbatch: int) -> None:

@@ -83,10 +83,10 @@ class Pipe(FrontDoor):
     def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
-                 schedule: str = "gpipe", *, virtual_stages: Optional[int] = None, timeout: float = 300.0,
-                 cpu_workers: Optional[int] = None, deferred_batch_norm: bool = False,
-                 tied: Sequence[Sequence[Any]] = (), vertical_sync: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 schedule: str = "gpipe", *, virtual_stages: Optional[int] = None,
+                 timeout: float = 300.0, cpu_workers: Optional[int] = None,
+                 deferred_batch_norm: bool = False, tied: Sequence[Sequence[Any]] = (),
+                 vertical_sync: bool = False, cuda_graphs: bool = False) -> None:
         super().__init__()
         module = check_module(module)
         self._auto_chunks = isinstance(chunks, str) and chunks == "auto"

@@ -368,7 +368,7 @@ def test_gpipe_batch_smaller_than_chunks_as_in_torchgpipe():
     torch.testing.assert_close(pipe(x), plain(x))
 
 
-# -- tied weights: the gradient sum does not depend on thread timing --------------------------------
+# -- tied weights: the gradient sum does not depend on thread timing ------------------------
 
 
 class Delay(nn.Module):
