@@ -26,6 +26,25 @@ def test_readme_example_of_torchgpipe_runs_after_the_import_switch():
     assert_same_grads(grads_of(model), expected)
 
 
+def test_torchgpipe_readme_training_loop_runs_after_the_import_switch():
+    # torchgpipe's README loop: inputs to the first device, targets to the last
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3))
+    model = GPipe(model, balance=[1, 1, 2], devices=["cpu"] * 3, chunks=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    in_device = model.devices[0]
+    out_device = model.devices[-1]
+    data_loader = [(torch.randn(20, 8), torch.randint(0, 3, (20,))) for _ in range(3)]
+    for input, target in data_loader:
+        input = input.to(in_device, non_blocking=True)
+        target = target.to(out_device, non_blocking=True)
+        output = model(input)
+        loss = nn.functional.cross_entropy(output, target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert torch.isfinite(loss)
+
+
 def test_balance_is_the_second_positional_argument_and_the_rest_keyword_only():
     pipe = GPipe(mlp(depth=5), [3, 2], devices=["cpu", "cpu"], chunks=4)
     assert pipe.balance == [3, 2] and isinstance(pipe.balance, list)
