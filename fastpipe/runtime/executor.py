@@ -16,8 +16,10 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..errors import PipelineAborted, PipelineError, PipelineTimeout, located
+from ..errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
+                      describe, located)
 from ..schedule import Action, ActionKind, Schedule
+from .labels import action_range
 from .mailbox import Mailbox
 from .stage import Stage
 from .step import HANDLERS, StepState, is_ready
@@ -153,17 +155,16 @@ class LocalExecutor:
         step.progress[action.stage] = ("running", action)
         start = time.perf_counter()
         try:
-            with stage.context():
+            with stage.context(), action_range(stage, action):
                 token = step.recorder.begin(stage) if step.recorder else None
                 (step.handlers or self.handlers)[action.kind](step, stage, action)
             if step.recorder:
                 step.recorder.end(stage, action, token)
-        except PipelineError as error:
+        except (PipelineError, LossFunctionError) as error:
             step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
             raise
         except BaseException as error:
-            step.abort.trip(f"stage {action.stage} failed in action {action}: "
-                            f"{type(error).__name__}: {error}")
+            step.abort.trip(f"stage {action.stage} failed in action {action}: {describe(error)}")
             located(error, action, self.rank)
             raise
         step.progress[action.stage] = ("finished", action)
