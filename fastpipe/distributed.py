@@ -24,7 +24,7 @@ from torch import nn
 from . import tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
-from .placement import auto_balance, check_balance
+from .placement import auto_balance, check_balance, layer_names
 from .runtime import stash
 from .runtime.dist_executor import Topology
 from .runtime.per_rank import PerRankDriver, RemoteStage
@@ -58,7 +58,8 @@ class DistributedPipe(FrontDoor):
             default: by parameter count for an ``nn.Sequential``, by layer count for factories.
         checkpoint: a checkpoint mode of ``Pipe`` (``'never'``, ``'except_last'``,
             ``'always'``, ``'selective'``, ``'offload'``).
-        virtual_stages: model chunks per rank (interleaved and V-shaped schedules).
+        virtual_stages: model chunks per rank (interleaved and V-shaped schedules; default 2
+            for ``'zbv'`` and ``'dualpipev'``, else 1).
         process_group: the pipeline's ranks, in stage order (default: the whole world).
         data_parallel_group: the replicas of this rank's stage in other pipelines; their
             gradients are averaged (default: none).
@@ -76,7 +77,7 @@ class DistributedPipe(FrontDoor):
 
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last", *,
-                 virtual_stages: int = 1, process_group: Optional[Any] = None,
+                 virtual_stages: Optional[int] = None, process_group: Optional[Any] = None,
                  data_parallel_group: Optional[Any] = None,
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
@@ -108,12 +109,13 @@ class DistributedPipe(FrontDoor):
         topology = Topology(owner, rank, ranks.index(rank), self._group, self._device)
         starts = [0, *itertools.accumulate(layout.balance)]
         kept: "OrderedDict[str, nn.Module]" = OrderedDict()
+        keys = layer_names(module, len(layers))
         stages: List[Any] = []
         for k in range(p * v):
             if owner[k] != rank:
                 stages.append(RemoteStage(k, self._device))
                 continue
-            part = OrderedDict((str(i), _materialise(layers[i], self._device))
+            part = OrderedDict((keys[i], _materialise(layers[i], self._device))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
             stages.append(Stage(k, nn.Sequential(part), self._device,

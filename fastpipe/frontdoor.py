@@ -22,7 +22,7 @@ from torch import nn
 
 from . import amp, microbatch, selective
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
-from .placement import check_chunks, check_flag, check_timeout, check_virtual_stages
+from .placement import check_chunks, check_flag, check_timeout, resolve_virtual_stages
 from .runtime import adaptive, auto, vitals
 from .runtime.driver import Driver
 from .runtime.stash import check_optimizer_argument, step_optimizer
@@ -66,7 +66,7 @@ def parse_layout(chunks: Any, checkpoint: Any, schedule: Any, virtual_stages: An
     auto_chunks = isinstance(chunks, str) and chunks == "auto"
     return Layout(chunks=1 if auto_chunks else check_chunks(chunks), auto_chunks=auto_chunks,
                   checkpoint=check_checkpoint(checkpoint), schedule=auto.check_name(schedule),
-                  virtual_stages=check_virtual_stages(virtual_stages),
+                  virtual_stages=resolve_virtual_stages(virtual_stages, schedule),
                   timeout=check_timeout(timeout),
                   deferred_batch_norm=check_flag(deferred_batch_norm, "deferred_batch_norm"))
 
@@ -294,8 +294,8 @@ class FrontDoor(nn.Module):
                          checkpoint_stop=0, timeout=self.layout.timeout,
                          grad_enabled=grad_enabled, checkpoint_mode=self.layout.checkpoint,
                          **kwargs)
-        sizes = self._driver.agree(step, sizes, train,
-                                   None if self.layout.auto_chunks else self._chunks, self.plan)
+        fixed = None if self.layout.auto_chunks else lambda n: self._split(n, self._chunks)
+        sizes = self._driver.agree(step, sizes, train, fixed, self.plan)
         if self.layout.auto_chunks and not self._driver.searches_chunks:
             self._chunks = len(sizes)  # the count the first stage's rank announced
         if 0 in local:
@@ -312,15 +312,19 @@ class FrontDoor(nn.Module):
         sizes = None
         if 0 in local:
             total = microbatch.batch_size(inputs, argument="inputs")
-            sizes = microbatch.split_sizes(total, self._step_chunks(total, train))
+            sizes = self._split(total, self._step_chunks(total, train))
         if reads_targets:
             total = microbatch.batch_size(targets, argument="targets")
             if sizes is not None and sum(sizes) != total:
                 raise ValueError(f"targets has batch size {total} but inputs has {sum(sizes)}; "
                                  f"give one target per input sample")
-            sizes = microbatch.split_sizes(total, self._step_chunks(total, train),
-                                           argument="targets")
+            sizes = self._split(total, self._step_chunks(total, train), argument="targets")
         return sizes
+
+    def _split(self, total: int, chunks: int, argument: str = "inputs") -> List[int]:
+        """Micro-batch sizes of a batch of ``total``: ``torch.chunk``'s (fewer micro-batches
+        for a short batch), or the nearest smaller count the schedule can run."""
+        return microbatch.fitted_sizes(total, chunks, self._accepts, argument=argument)
 
     def _step_chunks(self, total: int, train: bool) -> int:
         """The micro-batch count for a batch of ``total``; with ``chunks='auto'`` a training

@@ -50,7 +50,8 @@ class Pipe(FrontDoor):
             ``auto_ranking``).
         virtual_stages: model chunks per device, for interleaved and V-shaped schedules; then
             ``balance`` lists ``len(devices) * virtual_stages`` chunk sizes in model order and
-            the schedule's placement decides which device holds which chunk.
+            the schedule's placement decides which device holds which chunk. Default: 2 for
+            ``'zbv'`` and ``'dualpipev'`` (they need two), else 1.
         timeout: seconds any stage may wait for an input (and any action may run) before the
             step fails with an error naming the stage, the action and the micro-batch.
         cpu_workers: threads that run the CPU stages (consecutive stages share a thread when
@@ -77,10 +78,10 @@ class Pipe(FrontDoor):
     def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
-                 schedule: str = "gpipe", *, virtual_stages: int = 1, timeout: float = 300.0,
-                 cpu_workers: Optional[int] = None, deferred_batch_norm: bool = False,
-                 tied: Sequence[Sequence[Any]] = (), vertical_sync: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 schedule: str = "gpipe", *, virtual_stages: Optional[int] = None,
+                 timeout: float = 300.0, cpu_workers: Optional[int] = None,
+                 deferred_batch_norm: bool = False, tied: Sequence[Sequence[Any]] = (),
+                 vertical_sync: bool = False, cuda_graphs: bool = False) -> None:
         super().__init__()
         module = check_module(module)
         check_materialised(module)
@@ -116,14 +117,14 @@ class Pipe(FrontDoor):
         object.__setattr__(self, "_stages", [
             Stage(k, part, device, deferred_batch_norm=layout.deferred_batch_norm)
             for k, (part, device) in enumerate(zip(parts, where))])
-        tied_weights.bind(self._stages, tied_weights.find(module, layout.balance))
+        tied_grads = tied_weights.bind(self._stages, tied_weights.find(module, layout.balance))
         skip_exchange.wire(self._stages, skips)
         if use_graphs:
             graphs.enable(self._stages)
         self._pipedream = stash.PipeDream(self._stages, vertical_sync) if asynchronous else None
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
-        object.__setattr__(self, "_driver", InProcessDriver(self._stages, self._devices,
-                                                            self._workers, layout.timeout))
+        object.__setattr__(self, "_driver", InProcessDriver(
+            self._stages, self._devices, self._workers, tied_grads, layout.timeout))
 
     # ---------------------------------------------------------------- read-only properties
     @property

@@ -45,11 +45,13 @@ class Driver:
         """Checks, before any work, that this process was given what it reads."""
 
     def agree(self, step: StepState, sizes: Optional[List[int]], train: bool,
-              chunks: Optional[int], plan: Callable[..., Schedule]) -> List[int]:
+              fixed: Optional[Callable[[int], List[int]]],
+              plan: Callable[..., Schedule]) -> List[int]:
         """The step's micro-batch sizes, agreed by every process (``sizes``: those this
-        process computed from its batch, ``None`` when it reads none; ``chunks``: the fixed
-        count, ``None`` under ``chunks='auto'``; ``plan(m)``: the schedule of ``m``
-        micro-batches, of the current count without ``m``), and the step wired for them."""
+        process computed from its batch, ``None`` when it reads none; ``fixed(n)``: the sizes
+        a batch of ``n`` splits into, ``None`` under ``chunks='auto'``; ``plan(m)``: the
+        schedule of ``m`` micro-batches, of the current count without ``m``), and the step
+        wired for them."""
         assert sizes is not None
         return sizes
 

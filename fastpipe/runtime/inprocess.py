@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import batchnorm
+from ..tied import TiedGradients
 from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
 from . import adaptive, graphs
@@ -24,10 +25,11 @@ class InProcessDriver(Driver):
     """Runs a step's programs on this process's worker threads."""
 
     def __init__(self, stages: Sequence[Stage], devices: Sequence[torch.device],
-                 workers: WorkerPolicy, timeout: float) -> None:
+                 workers: WorkerPolicy, tied_grads: TiedGradients, timeout: float) -> None:
         self.stages = list(stages)
         self.devices = tuple(devices)
         self.workers = workers
+        self.tied_grads = tied_grads
         self.timeout = timeout
         self.local = list(range(len(self.stages)))
 
@@ -36,10 +38,12 @@ class InProcessDriver(Driver):
         order_streams(self.stages, before=True)
         batchnorm.discard(self.stages)
         graphs.before_step(self.stages, step.train)
+        self.tied_grads.begin(step.train and step.handlers is None)  # not under PipeDream
         try:
             self.workers.executor().run(programs, step, schedule)
         finally:
             order_streams(self.stages, before=False)
+        self.tied_grads.flush()  # tied weights' gradients, summed in stage order
         graphs.after_step(self.stages)
         batchnorm.commit(self.stages)
         self.workers.observe(step)

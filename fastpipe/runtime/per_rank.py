@@ -102,7 +102,8 @@ class PerRankDriver(Driver):
 
     # ---------------------------------------------------------------- one step
     def agree(self, step: StepState, sizes: Optional[List[int]], train: bool,
-              chunks: Optional[int], plan: Callable[..., Schedule]) -> List[int]:
+              fixed: Optional[Callable[[int], List[int]]],
+              plan: Callable[..., Schedule]) -> List[int]:
         """Wire the step and start its receivers. A rank that does not read the batch learns
         the micro-batch count and batch size from the first activation it receives (the header
         of every message repeats them); a rank that reads the targets checks them against it."""
@@ -113,7 +114,7 @@ class PerRankDriver(Driver):
         entry = min(self.local)
         if entry > 0:
             learned_from = self.topology.owner[entry - 1]
-            sizes = self._learn(step, learned_from, sizes, chunks)
+            sizes = self._learn(step, learned_from, sizes, fixed)
         assert sizes is not None
         info = self.executor.info
         info.step, info.num_microbatches, info.batch_size = self.steps, len(sizes), sum(sizes)
@@ -125,11 +126,11 @@ class PerRankDriver(Driver):
         return sizes
 
     def _learn(self, step: StepState, src: int, sizes: Optional[List[int]],
-               chunks: Optional[int]) -> List[int]:
+               fixed: Optional[Callable[[int], List[int]]]) -> List[int]:
         header = self.executor.learn_microbatches(src, step)
         learned = microbatch.split_sizes(header.batch_size, header.num_microbatches)
-        if chunks is not None and learned != microbatch.split_sizes(header.batch_size, chunks):
-            mine = len(microbatch.split_sizes(header.batch_size, chunks))
+        if fixed is not None and learned != fixed(header.batch_size):
+            mine = len(fixed(header.batch_size))
             raise RuntimeError(f"rank {src} split a batch of {header.batch_size} into "
                                f"{header.num_microbatches} micro-batches but this rank into "
                                f"{mine}: build the pipes with the same chunks on every rank")
