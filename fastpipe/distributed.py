@@ -97,8 +97,7 @@ class DistributedPipe(FrontDoor):
         p, v = len(ranks), layout.virtual_stages
         layout = layout.with_balance(_balance(module, layers, balance, p * v))
         skips = _skip_plans(module, layout.balance)
-        self._begin(layout)  # raises for a schedule that cannot run this layout
-        plan = self.plan(self._chunks)
+        plan = self._begin(layout)  # raises for a schedule that cannot run this layout
         rank = dist.get_rank()
         owner = [ranks[plan.stage_of(k)[0]] for k in range(p * v)]
         self._device = _resolve_device(device, self._group)

@@ -115,9 +115,10 @@ class FrontDoor(nn.Module):
     _stages: List[Any]
     _pipedream: Optional[Any]
 
-    def _begin(self, layout: Layout) -> None:
-        """Take the checked layout; pick the first micro-batch count (``chunks='auto'``) and
-        check that the schedule can run the layout, before any stage is built."""
+    def _begin(self, layout: Layout) -> Schedule:
+        """Take the checked layout; pick the first micro-batch count (``chunks='auto'``);
+        return the first step's schedule, which raises, before any stage is built, for a
+        schedule that cannot run the layout."""
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "_chunks", layout.chunks)
         object.__setattr__(self, "_schedule_name", layout.first_schedule)
@@ -128,7 +129,7 @@ class FrontDoor(nn.Module):
         if layout.auto_chunks:
             object.__setattr__(self, "_chunks", adaptive.first_count(self.num_stages,
                                                                       self._accepts))
-        self.plan(self._chunks)  # raises for a schedule that cannot run this layout
+        return self.plan(self._chunks)
 
     # ---------------------------------------------------------------- read-only properties
     @property

@@ -105,8 +105,7 @@ class Pipe(FrontDoor):
                              f"schedule={schedule!r}")
         num_stages = check_chunk_count(len(layout.balance), v)
         self._devices = tuple(resolve_devices(devices, num_stages))
-        self._begin(layout)  # raises for a schedule that cannot run this layout
-        plan = self.plan(self._chunks)
+        plan = self._begin(layout)  # raises for a schedule that cannot run this layout
         tied_weights.tie(module, tie_groups)
         self.module = module
         parts = split(module, layout.balance)
