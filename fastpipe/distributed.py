@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import amp, batchnorm, microbatch, tied as tied_weights
+from . import amp, batchnorm, microbatch, tied as tied_weights, tracing
 from .runtime import adaptive, auto
 from .checkpoint import checkpoint_stop, draw_step_seed
 from .errors import PeerLost, PipelineAborted, PipelineError, ProcessGroupError
@@ -105,13 +105,20 @@ class DistributedPipe(FrontDoor):
                  data_parallel_group: Optional[Any] = None,
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
-                 tied: Sequence[Sequence[Any]] = ()) -> None:
+                 tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
+                 example_inputs: Optional[Any] = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (under torchrun the "
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
+        traced = module if tracing.wanted(module, split_points) else None
+        if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
+            group = process_group if process_group is not None else dist.group.WORLD
+            module = tracing.stages_of(traced, split_points, example_inputs,
+                                       dist.get_world_size(group) *
+                                       check_virtual_stages(virtual_stages), follow=False)
         layers = _check_layers(module)
         self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
         deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
@@ -157,6 +164,8 @@ class DistributedPipe(FrontDoor):
                                 deferred_batch_norm=deferred))
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
+        if traced is not None:  # this rank's parameters and buffers under the module's names
+            self.module = tracing.local_view(traced, self.module)
         object.__setattr__(self, "_stages", stages)
         object.__setattr__(self, "_local", [k for k in range(p * v) if owner[k] == rank])
         self._skips = {k: plan for k, plan in skips.items() if k in self._local}

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import torch
 from torch import nn
 
-from . import amp, batchnorm, microbatch, tied as tied_weights
+from . import amp, batchnorm, microbatch, tied as tied_weights, tracing
 from .checkpoint import checkpoint_stop, draw_step_seed
 from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
@@ -85,8 +85,15 @@ class Pipe(FrontDoor):
                  schedule: str = "gpipe", *, virtual_stages: int = 1, timeout: float = 300.0,
                  cpu_workers: Optional[int] = None, deferred_batch_norm: bool = False,
                  tied: Sequence[Sequence[Any]] = (), vertical_sync: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, split_points: Optional[Any] = None,
+                 example_inputs: Optional[Any] = None) -> None:
         super().__init__()
+        traced = module if tracing.wanted(module, split_points) else None
+        if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
+            check_materialised(traced)
+            module, balance = tracing.stages_of(
+                traced, split_points, example_inputs,
+                tracing.stage_count(devices, check_virtual_stages(virtual_stages))), None
         module = check_module(module)
         check_materialised(module)
         self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
@@ -136,6 +143,8 @@ class Pipe(FrontDoor):
         if use_graphs:
             graphs.enable(self._stages)
         self._pipedream = stash.PipeDream(self._stages, vertical_sync) if asynchronous else None
+        if traced is not None:
+            self.module = traced  # names, state dicts and modes are the traced module's
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
         object.__setattr__(self, "_trace", None)
 
@@ -218,14 +227,16 @@ class Pipe(FrontDoor):
         self._measured(total, start)
         return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
 
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the batch through the stages (the forward actions of the pipe's schedule); the
-        output is on the last stage's device.
+        output is on the last stage's device. A traced module takes its own positional and
+        keyword inputs (``pipe(input_ids=..., attention_mask=...)``).
 
         When grad is enabled the output is connected to every stage's parameters, so
         ``loss_fn(pipe(x), y).backward()`` works as with the plain module (the backward then runs
         in autograd's order, as in GPipe).
         """
+        inputs = args[0] if len(args) == 1 and not kwargs else tracing.Call(args, kwargs)
         total = microbatch.batch_size(inputs, argument="inputs")
         sizes = microbatch.split_sizes(total, self._chunks)
         schedule = self.plan(len(sizes))
@@ -236,7 +247,7 @@ class Pipe(FrontDoor):
         self._run(schedule.forward_actions, step, schedule)
         return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
 
-    def evaluate(self, inputs: Any) -> Any:
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Inference: the forward pass in eval mode (dropout off, batch norms use their running
         statistics) without autograd, so nothing is checkpointed, recomputed or kept for a
         backward. The modules' train/eval modes are restored afterwards."""
@@ -244,7 +255,7 @@ class Pipe(FrontDoor):
         self.eval()
         try:
             with torch.no_grad():
-                return self(inputs)
+                return self(*args, **kwargs)
         finally:
             for m, training in modes:
                 m.training = training
