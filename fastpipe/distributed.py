@@ -41,6 +41,7 @@ from .runtime import stash
 from .runtime.stash import step_optimizer
 from .runtime.step import StepState
 from .runtime.tied_sync import TiedSync
+from .runtime import vitals
 from .runtime.trace import StepRecorder, Trace
 from .schedule.timeline import Timeline
 from .schedule import Schedule
@@ -291,6 +292,7 @@ class DistributedPipe(FrontDoor):
             if scaler is not None:
                 amp.unscale_and_sync(scaler, optimizer, timeout=self._timeout)
             step_optimizer(optimizer, scaler)
+        vitals.finish_step(self, step, total, start)
         return loss
 
     def _run(self, programs: Any, step: StepState, schedule: Schedule) -> None:

@@ -18,6 +18,7 @@ from . import microbatch, selective
 from .checkpoint import check_mode
 from .runtime import adaptive
 from .runtime.stash import check_optimizer_argument
+from .runtime.vitals import StepStats
 from .schedule import Schedule, get_schedule
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -92,6 +93,12 @@ class FrontDoor(nn.Module):
     def virtual_stages(self) -> int:
         """Model chunks per physical stage."""
         return self._virtual
+
+    @property
+    def last_step(self) -> Optional[StepStats]:
+        """The last training step's samples/s, wall time and measured bubble share
+        (``fastpipe.runtime.vitals.StepStats``), kept without tracing; ``None`` before the first."""
+        return self.__dict__.get("_last_step")
 
     def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
         """The validated schedule this pipe runs for ``num_microbatches`` (default ``chunks``)."""

@@ -25,6 +25,7 @@ from .runtime.stage import Stage
 from .skip import exchange as skip_exchange, layout as skip_layout
 from .runtime import adaptive, auto, graphs
 from .runtime.step import StepState
+from .runtime import vitals
 from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
 from .schedule import Schedule
@@ -225,6 +226,7 @@ class Pipe(FrontDoor):
         if optimizer is not None and self._pipedream is None:
             stash.step_optimizer(optimizer, scaler)
         self._measured(total, start)
+        vitals.finish_step(self, step, total, start)
         return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -84,9 +84,7 @@ def transparency(schedules: List[List[Any]], batches: List[int], chunks: int = 4
 
 
 def loss_checks() -> Dict:
-    """A float64 model's loss comes back as float64 on every rank, equal to the plain model's;
-    then a detached loss fails the step on every rank before any gradient is written (the last
-    rank raises LossFunctionError, the others stop)."""
+    """A float64 model's loss comes back as float64 on every rank, equal to the plain model's."""
     plain = model().double()
     x, y = data(10)
     x, y = x.double(), y.double()
@@ -95,14 +93,19 @@ def loss_checks() -> Dict:
     loss = pipe.train_step(x, y, nn.functional.mse_loss)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
     check_grads(pipe, ref, "float64")
+    return {"dtype": str(loss.dtype)}
+
+
+def detached_loss() -> Dict:
+    """A detached loss fails the step on every rank before any gradient is written (the last
+    rank raises LossFunctionError, the others stop)."""
     fresh = DistributedPipe(model(), chunks=3, timeout=30)
     try:
         fresh.train_step(*data(10), lambda o, t: nn.functional.mse_loss(o, t).detach())
         error = None
     except Exception as caught:  # noqa: BLE001 - reported to the test
         error = type(caught).__name__
-    return {"dtype": str(loss.dtype), "detached": error,
-            "untouched": all(p.grad is None for p in fresh.parameters())}
+    return {"detached": error, "untouched": all(p.grad is None for p in fresh.parameters())}
 
 
 def data_parallel(schedule: str = "1f1b", steps: int = 2) -> Dict:
@@ -357,6 +360,22 @@ def traced(schedule: str = "1f1b", v: int = 1) -> Dict:
                  for s in range(dist.get_world_size())]
     return {"per_stage": per_stage, "bubble": timeline.bubble_fraction,
             "makespan": timeline.makespan}
+
+
+def doctored(path: str, wait: float = 0.2) -> Dict:
+    """A traced step that waited ``wait`` seconds for its input, written by the first rank to
+    ``path`` for ``python -m fastpipe doctor``; every rank's ``last_step``."""
+    pipe = DistributedPipe(model(), chunks=4, schedule="1f1b", timeout=30)
+    x, y = data(8)
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    with pipe.trace() as t:
+        time.sleep(wait)
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    if dist.get_rank() == 0:
+        t.write(path)
+    stats = pipe.last_step
+    return {"samples": stats.samples, "stages": stats.stages, "bubble": stats.bubble_fraction,
+            "rate": stats.samples_per_second}
 
 
 def pipedream(steps: int = 2) -> Dict:
@@ -617,9 +636,9 @@ def several(cases: List[List[Any]]) -> Dict:
 
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
-                                 loss_checks,
+                                 loss_checks, detached_loss,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
-                                 auto_chunks, auto_schedule, traced, pipedream,
+                                 auto_chunks, auto_schedule, traced, doctored, pipedream,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
                                  skip_connections, several)}

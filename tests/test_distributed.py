@@ -42,11 +42,9 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
         ["checkpoint_across_layouts", {}],
         ["skip_connections", {"schedules": [["1f1b", 1, "except_last"], ["zb-h1", 1, "never"],
                                             ["zbv", 2, "always"]]}],
-        ["loss_checks", {}],  # last: it ends with a failed step (the group is then spent)
+        ["loss_checks", {}],
     ]}))
-    checks = [r["loss_checks"] for r in results]
-    assert all(c["dtype"] == "torch.float64" and c["untouched"] for c in checks), checks
-    assert [c["detached"] for c in checks] == ["PipelineAborted", "LossFunctionError"], checks
+    assert all(r["loss_checks"]["dtype"] == "torch.float64" for r in results)
     keys = [r["meta_and_factories"] for r in results]
     assert keys[0]["meta"] == keys[0]["factories"]
     assert keys[0]["meta"][0] == "0.0.bias" and keys[1]["meta"][-1] == "7.weight"
@@ -146,6 +144,13 @@ def test_a_rank_exiting_mid_step_fails_that_step_on_every_rank(world, failing, s
             f"rank {failing} exited" in message, describe(results)
         assert "during step 1" in message and r.result["untouched"], describe(results)
         assert r.result["seconds"] < 10.0, describe(results)
+
+
+def test_a_detached_loss_fails_every_rank_before_any_gradient():
+    results = launch("detached_loss", 2, limit=120)
+    assert all(r.result is not None for r in results), describe(results)
+    assert [r.result["detached"] for r in results] == ["PipelineAborted", "LossFunctionError"]
+    assert all(r.result["untouched"] for r in results), describe(results)
 
 
 def test_without_a_process_group_the_error_is_typed_and_says_what_to_do():

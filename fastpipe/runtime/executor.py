@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from ..errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
                       StageFailure, describe)
 from ..schedule import Action, ActionKind, Schedule
+from .labels import action_range
 from .mailbox import Mailbox
 from .stage import Stage
 from .step import HANDLERS, StepState, is_ready
@@ -152,7 +153,7 @@ class LocalExecutor:
         step.progress[action.stage] = ("running", action)
         start = time.perf_counter()
         try:
-            with stage.context():
+            with stage.context(), action_range(stage, action):
                 token = step.recorder.begin(stage) if step.recorder else None
                 (step.handlers or self.handlers)[action.kind](step, stage, action)
             if step.recorder:

@@ -85,8 +85,12 @@ class _Beater(threading.Thread):
             return False
 
     def exit(self) -> None:
-        """The process is exiting: say so, and stop beating."""
+        """The process is exiting: stop beating (the thread ends before the interpreter and
+        torch's own threads are torn down), then say so."""
         self.stopped.set()
+        self.changed.set()
+        if self.is_alive():
+            self.join(timeout=2.0)
         self.write(self.state, exited=True)
 
 
