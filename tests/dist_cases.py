@@ -274,6 +274,44 @@ def blame(kind: str, failing_rank: int, schedule: str = "1f1b", timeout: float =
     return {"error": None, "loss": float(loss)}
 
 
+def traced_gpt2(schedules: List[List[Any]]) -> Dict:
+    """A Hugging Face GPT-2, untouched, across ranks (split_points='auto'): loss and every local
+    gradient (the tied embedding's included) equal the plain model's, under its own names."""
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, use_cache=False, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50, (7, 8), generator=generator)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(7, 8, dtype=torch.long)}
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config)
+
+    def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    plain = build()
+    ref_loss = lm_loss(plain(**inputs), ids)
+    ref_loss.backward()
+    expected = {n: p.grad for n, p in plain.named_parameters()}
+    names = []
+    for name, v, mode in schedules:
+        pipe = DistributedPipe(build(), chunks=4 if v == 1 else 2, schedule=name,
+                               virtual_stages=v, checkpoint=mode, split_points="auto",
+                               example_inputs=inputs, timeout=60)
+        loss = pipe.train_step(inputs, ids, lm_loss)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        for n, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, expected[n], **TOL, msg=lambda m: f"{n}: {m}")
+        pipe.load_state_dict(plain.state_dict())  # a plain checkpoint loads as it is
+        names = sorted(n for n, _ in pipe.named_parameters())
+    return {"names": names}
+
+
 def bad_targets() -> Dict:
     """Targets with a batch size other than the inputs' fail on the last rank before any
     backward, and the first rank stops too."""
@@ -636,7 +674,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
-                                 loss_checks, detached_loss,
+                                 loss_checks, detached_loss, traced_gpt2,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
                                  auto_chunks, auto_schedule, traced, doctored, pipedream,
                                  meta_and_factories, tied_weights,

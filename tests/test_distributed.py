@@ -146,6 +146,15 @@ def test_a_rank_exiting_mid_step_fails_that_step_on_every_rank(world, failing, s
         assert r.result["seconds"] < 10.0, describe(results)
 
 
+def test_a_hugging_face_gpt2_untouched_across_ranks():
+    pytest.importorskip("transformers")
+    results = assert_all_ok(launch("traced_gpt2", 2, limit=240, args={
+        "schedules": [["1f1b", 1, "except_last"], ["interleaved", 2, "never"]]}))
+    first, last = (r["names"] for r in results)
+    assert "transformer.wte.weight" in first and "transformer.wte.weight" in last  # tied
+    assert "transformer.h.0.attn.c_attn.weight" in first and "lm_head.weight" not in last
+
+
 def test_a_detached_loss_fails_every_rank_before_any_gradient():
     results = launch("detached_loss", 2, limit=120)
     assert all(r.result is not None for r in results), describe(results)
