@@ -85,6 +85,7 @@ class DistributedExecutor(LocalExecutor):
         super().__init__([[topology.stage]])
         self.kinds = kinds or Kinds()
         self.topology = topology
+        self.rank = topology.rank
         self.board = board
         self.after_action = after_action
         self.skips = skips or {}

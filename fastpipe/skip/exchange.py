@@ -20,7 +20,7 @@ from ..schedule import Action, ActionKind
 from . import api
 from .layout import StageSkips
 
-Tensors = Dict[str, torch.Tensor]
+Tensors = Dict[str, Optional[torch.Tensor]]
 
 
 class StageFrame:
@@ -34,7 +34,7 @@ class StageFrame:
         self.outgoing: Tensors = {}
         self.stashed: set = set()
 
-    def stash(self, name: str, tensor: torch.Tensor) -> None:
+    def stash(self, name: str, tensor: Optional[torch.Tensor]) -> None:
         if name in self.stashed:
             raise api.SkipError(f"skip {name!r} was stashed twice in one forward of stage "
                                 f"{self.skips.index}; stash each name once")
@@ -48,7 +48,7 @@ class StageFrame:
                                 f"layer that stashes it")
         self.stashed.add(name)
 
-    def pop(self, name: str) -> torch.Tensor:
+    def pop(self, name: str) -> Optional[torch.Tensor]:
         if name in self.local:
             return self.local.pop(name)
         if name in self.incoming:
@@ -110,9 +110,10 @@ class StageExchange:
         popped: Tensors = {}
         for name, _ in self.skips.receives:
             message = _receive(step, stage, ("skip", name, action.microbatch), action)
-            tensor = message.parcel.tensors[0]
-            popped[name] = _as_leaf(tensor, message.requires_grad[0]) if step.train else tensor
-        leaves = list(popped.values()) if step.train else []
+            tensor = message.parcel.tensors[0] if message.parcel.tensors else None  # stash(n, None)
+            popped[name] = (_as_leaf(tensor, message.requires_grad[0])
+                            if step.train and tensor is not None else tensor)
+        leaves = _roots(popped) if step.train else []
         return (inputs, popped), boundary + leaves
 
     def send(self, step: StepState, mb: int, output: Tuple[Any, Tensors],
@@ -123,13 +124,13 @@ class StageExchange:
         for name, dst in self.skips.sends:
             _send(step, dst, ("skip", name, mb), stashed[name], detach=step.train,
                   differentiable=differentiable)
-        return value, list(stashed.values())
+        return value, _roots(stashed)
 
     @staticmethod
     def split(output: Tuple[Any, Tensors]) -> Tuple[Any, List[torch.Tensor]]:
         """A recomputed ``(output, stashed)``: used for the backward, never sent again."""
         value, stashed = output
-        return value, list(stashed.values())
+        return value, _roots(stashed)
 
     def receive_grads(self, step: StepState, stage: Any,
                       action: Action) -> List[Optional[torch.Tensor]]:
@@ -146,6 +147,11 @@ class StageExchange:
             parcel = ship([grad], step.stages[src].device)
             step.mailboxes[src].put(("skipgrad", name, mb), Message(None, [], parcel, []))
         return input_grads[:head]
+
+
+def _roots(tensors: Dict[str, Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """The skip tensors in wire order, an empty tensor (no gradient) for a stashed ``None``."""
+    return [torch.empty(0) if t is None else t for t in tensors.values()]
 
 
 def wire(stages: List[Any], plans: Dict[int, StageSkips]) -> None:
