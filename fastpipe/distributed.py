@@ -118,9 +118,8 @@ class DistributedPipe(FrontDoor):
         traced = module if tracing.wanted(module, split_points) else None
         if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
             group = process_group if process_group is not None else dist.group.WORLD
-            module = tracing.stages_of(traced, split_points, example_inputs,
-                                       dist.get_world_size(group) *
-                                       resolve_virtual_stages(virtual_stages, schedule), follow=False)
+            count = dist.get_world_size(group) * resolve_virtual_stages(virtual_stages, schedule)
+            module = tracing.stages_of(traced, split_points, example_inputs, count, follow=False)
         layers = _check_layers(module)
         self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
         deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")

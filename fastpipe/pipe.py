@@ -16,7 +16,7 @@ from torch import nn
 
 from . import amp, batchnorm, microbatch, tied as tied_weights, tracing
 from .checkpoint import checkpoint_stop, draw_step_seed
-from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
+from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments, step_loss
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
                         check_flag, check_materialised, check_module, check_timeout,
                         check_workers, default_partitions, resolve_devices,
@@ -26,6 +26,7 @@ from .runtime.stage import Stage
 from .skip import exchange as skip_exchange, layout as skip_layout
 from .runtime import adaptive, auto, graphs
 from .runtime.step import StepState
+from .runtime.token_mean import TokenMean
 from .runtime import vitals
 from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
@@ -226,12 +227,15 @@ class Pipe(FrontDoor):
         step.split = schedule.split_backwards
         if self._pipedream is not None:
             step.handlers = self._pipedream.handlers(optimizer)
+        else:
+            step.token_mean = TokenMean(self.parameters)
         self._run(schedule.actions, step, schedule)
+        loss = step_loss(step, len(sizes), sizes, loss_reduction)
         if optimizer is not None and self._pipedream is None:
             stash.step_optimizer(optimizer, scaler)
         self._measured(total, start)
         vitals.finish_step(self, step, total, start)
-        return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
+        return loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the batch through the stages (the forward actions of the pipe's schedule); the
