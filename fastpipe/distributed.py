@@ -28,7 +28,7 @@ from . import amp, batchnorm, microbatch, tied as tied_weights, tracing
 from .runtime import adaptive, auto
 from .checkpoint import checkpoint_stop, draw_step_seed
 from .errors import PeerLost, PipelineAborted, PipelineError, ProcessGroupError
-from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
+from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments, warn_uneven_mean
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
                         layer_names, resolve_virtual_stages)
 from .runtime.board import Board, wait_work
@@ -40,6 +40,7 @@ from .runtime.stage import Stage
 from .runtime import stash
 from .runtime.stash import step_optimizer
 from .runtime.step import StepState
+from .runtime.token_mean import TokenMean
 from .runtime.tied_sync import TiedSync
 from .runtime import vitals
 from .runtime.trace import StepRecorder, Trace
@@ -279,15 +280,21 @@ class DistributedPipe(FrontDoor):
         step.checkpoint_stop = checkpoint_stop(self._checkpoint, len(sizes))
         step.split = schedule.split_backwards
         step.handlers = handlers
+        if handlers is None:  # (loss_sum, count) losses: counts travel in gradient headers
+            step.token_mean = self._executor.info.token_mean = TokenMean(self.parameters)
         self._last_actions = last_gradient_actions(schedule.actions[self._topology.stage],
                                                    schedule)
         self._run(schedule.actions, step, schedule)
         self._executor.confirm_step(self._timeout)  # no rank keeps a step another did not finish
-        loss = self._step_loss(step, len(sizes))
+        loss, count = self._step_loss(step, len(sizes))
         if self.chunk_search is not None and self.chunk_search.chosen is None:
             self.chunk_search.record(len(sizes), total, time.perf_counter() - start)
         if self._sync is not None:
             self._sync.finish()
+        if count is not None:  # the data-parallel average divided by the replicas already
+            step.token_mean.finish(count, scale=self._replicas())
+        elif loss_reduction == "mean" and len(set(sizes)) > 1 and has_targets:
+            warn_uneven_mean(sizes)
         self._tied.sum_gradients()
         if optimizer is not None and self._pipedream is None:
             if scaler is not None:
@@ -437,20 +444,34 @@ class DistributedPipe(FrontDoor):
             step.targets = microbatch.scatter(step.targets, sizes)
         return sizes
 
-    def _step_loss(self, step: StepState, m: int) -> torch.Tensor:
+    def _step_loss(self, step: StepState, m: int) -> Tuple[torch.Tensor, Optional[float]]:
         """The step's loss on every rank: the last stage's rank computed the micro-batch losses,
-        the others received them in the headers of their gradients (averaged over replicas)."""
+        the others received them in the headers of their gradients (averaged over replicas).
+        With ``(loss_sum, count)`` losses, the sums over the total count (over the replicas
+        too), which is also returned; else ``None``."""
         missing = [i for i in range(m) if i not in step.losses]
         if missing:
             raise PipelineError(f"rank {self._topology.rank}: the losses of micro-batches "
                                 f"{missing} never arrived with their gradients")
         total = math.fsum(float(step.losses[i]) for i in range(m))  # the same sum everywhere
-        loss = torch.tensor(total, dtype=step.losses[0].dtype, device=self._device)
-        if self._data_group is not None and dist.get_world_size(self._data_group) > 1:
-            work = dist.all_reduce(loss, group=self._data_group, async_op=True)
+        token_mean = step.token_mean
+        counted = token_mean is not None and token_mean.active
+        values = [total, token_mean.total()] if counted else [total]
+        sums = torch.tensor(values, dtype=torch.float64, device=self._device)
+        if self._replicas() > 1:
+            work = dist.all_reduce(sums, group=self._data_group, async_op=True)
             wait_work(work, self._timeout, "the data-parallel loss average", self._board)
-            loss /= dist.get_world_size(self._data_group)
-        return loss
+        dtype = step.losses[0].dtype
+        if counted:
+            count = float(sums[1])
+            return (sums[0] / count if count > 0 else sums[0] * 0).to(dtype), count
+        return (sums[0] / self._replicas()).to(dtype), None
+
+    def _replicas(self) -> int:
+        """Data-parallel replicas of this rank's stage (1 without data parallelism)."""
+        if self._data_group is None:
+            return 1
+        return dist.get_world_size(self._data_group)
 
     def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
         if self._sync is not None and action in self._last_actions:

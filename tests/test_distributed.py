@@ -41,6 +41,7 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
                                             ["zbv", 2, "always"]]}],
         ["compat", {}],
         ["loss_checks", {}],
+        ["token_mean", {"schedules": [["1f1b", 1, "except_last"], ["zbv", 2, "never"]]}],
     ]}))
     compat = [r["compat"] for r in results]
     assert "layer0.0.weight" in compat[0]["names"]["1f1b"]  # named children, tied across ranks
