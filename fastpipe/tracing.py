@@ -353,10 +353,11 @@ def stages_of(module: nn.Module, split_points: Any, example_inputs: Any,
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if example_inputs is None:
-        raise ValueError(f"{type(module).__name__} is not an nn.Sequential, so the pipe traces it "
-                         f"with torch.export: pass example_inputs= (a batch as the model takes "
-                         f"it: a tensor, a tuple of positional inputs, or a dict of keyword "
-                         f"inputs such as {{'input_ids': ids, 'attention_mask': mask}})")
+        raise TypeError(f"module must be an nn.Sequential, or come with example_inputs= to be "
+                        f"traced with torch.export: {type(module).__name__} is not a Sequential, "
+                        f"so pass a batch as the model takes it (a tensor, a tuple of positional "
+                        f"inputs, or a dict of keyword inputs such as {{'input_ids': ids, "
+                        f"'attention_mask': mask}}), or wrap its layers in an nn.Sequential")
     points = "auto" if split_points is None else split_points
     if points != "auto":
         points = check_split_points(module, points)

@@ -196,7 +196,7 @@ class Branchy(nn.Module):
     (dict(split_points=["transformer.h.1", "transformer.h.3"]), ValueError,
      "makes 3 stages but the pipeline has 2"),
     (dict(split_points="auto", devices=["cpu"] * 8), ValueError, "needs at least 8 blocks"),
-    (dict(example_inputs=None), ValueError, "pass example_inputs="),
+    (dict(example_inputs=None), TypeError, "come with example_inputs="),
 ])
 def test_bad_split_arguments_are_clear_errors_before_any_work(kwargs, error, match):
     model = gpt2()

@@ -48,7 +48,7 @@ class Header:
     step: int
     loss: float = math.nan  # gradients carry their micro-batch's loss back to every rank
     loss_dtype: torch.dtype = torch.float32
-    count: float = math.nan  # with (loss_sum, count) losses: the micro-batch's count
+    count: float = -1.0  # with (loss_sum, count) losses: the micro-batch's count (else -1)
 
     def encode(self) -> torch.Tensor:
         return torch.tensor([MAGIC, self.kind, self.microbatch, self.dst_stage,
