@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import tied as tied_weights
+from . import tied as tied_weights, tracing
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
-from .placement import auto_balance, check_balance, layer_names
+from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
 from .runtime import stash
 from .runtime.dist_executor import Topology
 from .runtime.per_rank import PerRankDriver, RemoteStage
@@ -81,13 +81,19 @@ class DistributedPipe(FrontDoor):
                  data_parallel_group: Optional[Any] = None,
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
-                 tied: Sequence[Sequence[Any]] = ()) -> None:
+                 tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
+                 example_inputs: Optional[Any] = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (under torchrun the "
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
+        traced = module if tracing.wanted(module, split_points) else None
+        if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
+            group = process_group if process_group is not None else dist.group.WORLD
+            count = dist.get_world_size(group) * resolve_virtual_stages(virtual_stages, schedule)
+            module = tracing.stages_of(traced, split_points, example_inputs, count, follow=False)
         layers = _check_layers(module)
         layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
                               deferred_batch_norm)
@@ -121,6 +127,8 @@ class DistributedPipe(FrontDoor):
                                 deferred_batch_norm=layout.deferred_batch_norm))
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
+        if traced is not None:  # this rank's parameters and buffers under the module's names
+            self.module = tracing.local_view(traced, self.module)
         object.__setattr__(self, "_stages", stages)
         self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
                                      layout.timeout)

@@ -14,19 +14,21 @@ import contextlib
 import dataclasses
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from . import amp, microbatch, selective
+from . import amp, microbatch, selective, tracing
 from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import check_chunks, check_flag, check_timeout, resolve_virtual_stages
 from .runtime import adaptive, auto, vitals
 from .runtime.driver import Driver
 from .runtime.stash import check_optimizer_argument, step_optimizer
 from .runtime.step import StepState
+from .runtime.token_mean import TokenMean
 from .runtime.trace import StepRecorder, Trace
 from .runtime.vitals import StepStats
 from .schedule import Schedule, get_schedule
@@ -105,6 +107,20 @@ def loss_weights(sizes: Sequence[int], loss_reduction: str) -> List[float]:
     """Each micro-batch loss's weight: its share of the batch (``'mean'``) or 1 (``'sum'``)."""
     total = sum(sizes)
     return [s / total for s in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
+
+
+def warn_uneven_mean(sizes: Sequence[int]) -> None:
+    """Once per process: a mean loss over micro-batches of different sizes is weighted by
+    size, exact for a mean over samples but not for a mean over tokens (padding excluded)."""
+    warnings.warn(f"micro-batches of different sizes ({list(sizes)}) with a mean loss: each "
+                  f"micro-batch's loss is weighted by its share of the samples, which is exact "
+                  f"for a mean over samples; for a mean over tokens (padding excluded) return "
+                  f"(loss_sum, token_count) from loss_fn instead", UncertainWeighting,
+                  stacklevel=4)
+
+
+class UncertainWeighting(UserWarning):
+    """A mean loss over micro-batches of different sizes (see ``warn_uneven_mean``)."""
 
 
 class FrontDoor(nn.Module):
@@ -192,6 +208,9 @@ class FrontDoor(nn.Module):
         ``schedule='pipedream'`` it is required, and each stage steps it on its own parameters
         after every micro-batch's backward, with that micro-batch's gradient (``.grad`` then
         holds the last one); see ``fastpipe.runtime.stash`` for the exact semantics.
+        ``loss_fn`` may return ``(loss_sum, count)`` per micro-batch (e.g. a token count): the
+        step's loss is then the sums over the whole batch's count, and so are its gradients
+        (``fastpipe.runtime.token_mean``).
 
         On a ``DistributedPipe`` every rank calls it with the same arguments: ``inputs`` are
         read on the rank of the first stage, ``targets`` on the rank of the last (``None``
@@ -212,16 +231,22 @@ class FrontDoor(nn.Module):
         check_step_arguments(loss_fn, loss_reduction, optimizer, asynchronous, scaler)
         handlers = self._pipedream.handlers(optimizer) if asynchronous else None
         start = time.perf_counter()
+        token_mean = None if asynchronous else TokenMean(self.parameters)
         step, sizes = self._new_step(inputs, targets, train=True, grad_enabled=True,
-                                     loss_fn=loss_fn, scaler=scaler)
+                                     loss_fn=loss_fn, scaler=scaler, token_mean=token_mean)
         schedule = self.plan(len(sizes))
         step.loss_weights = loss_weights(sizes, loss_reduction)
         step.checkpoint_stop = checkpoint_stop(self.layout.checkpoint, len(sizes))
         step.split = schedule.split_backwards
         step.handlers = handlers
         self._run(schedule.actions, step, schedule)
-        loss = self._driver.loss(step, len(sizes))
-        self._driver.sync_gradients()
+        loss, count = self._driver.loss(step, len(sizes))
+        self._driver.average_gradients()
+        if count is not None:  # (loss_sum, count) losses: the step's gradients over the count
+            step.token_mean.finish(count, scale=self._driver.replicas)
+        elif loss_reduction == "mean" and len(set(sizes)) > 1 and self._reads_targets(True):
+            warn_uneven_mean(sizes)
+        self._driver.sum_tied_gradients()
         if optimizer is not None and not asynchronous:
             self._driver.before_update(optimizer, scaler)
             step_optimizer(optimizer, scaler)
@@ -229,9 +254,10 @@ class FrontDoor(nn.Module):
         vitals.finish_step(self, step, sum(sizes), start)
         return loss
 
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the batch through the stages (the forward actions of the pipe's schedule); the
-        output is on the last stage's device.
+        output is on the last stage's device. A traced module takes its own positional and
+        keyword inputs (``pipe(input_ids=..., attention_mask=...)``).
 
         When grad is enabled the output of a ``Pipe`` is connected to every stage's parameters,
         so ``loss_fn(pipe(x), y).backward()`` works as with the plain module (the backward then
@@ -239,6 +265,7 @@ class FrontDoor(nn.Module):
         (no graph, no recompute, nothing kept for backward): the output on the last stage's
         rank, ``None`` on the others.
         """
+        inputs = args[0] if len(args) == 1 and not kwargs else tracing.Call(args, kwargs)
         with self._driver.guarded(), self._driver.forward_grad_mode():
             return self._forward(inputs)
 
@@ -253,7 +280,7 @@ class FrontDoor(nn.Module):
             return None
         return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
 
-    def evaluate(self, inputs: Any) -> Any:
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Inference: the forward pass in eval mode (dropout off, batch norms use their running
         statistics) without autograd, so nothing is checkpointed, recomputed or kept for a
         backward. The modules' train/eval modes are restored afterwards."""
@@ -261,7 +288,7 @@ class FrontDoor(nn.Module):
         self.eval()
         try:
             with torch.no_grad():
-                return self(inputs)
+                return self(*args, **kwargs)
         finally:
             for m, training in modes:
                 m.training = training
@@ -301,17 +328,20 @@ class FrontDoor(nn.Module):
             self._chunks = len(sizes)  # the count the first stage's rank announced
         if 0 in local:
             step.inputs = microbatch.scatter(inputs, sizes)
-        if train and len(self._stages) - 1 in local:
+        if self._reads_targets(train):
             step.targets = microbatch.scatter(targets, sizes)
         return step, sizes
 
+    def _reads_targets(self, train: bool) -> bool:
+        """Whether this process reads the targets (it runs the last stage of a training step)."""
+        return train and len(self._stages) - 1 in self._driver.local
+
     def _local_sizes(self, inputs: Any, targets: Any, train: bool) -> Optional[List[int]]:
         """Micro-batch sizes from the batch this process reads, checked before any work."""
-        local = self._driver.local
-        reads_targets = train and len(self._stages) - 1 in local
+        reads_targets = self._reads_targets(train)
         self._driver.check_present(inputs, targets, reads_targets)
         sizes = None
-        if 0 in local:
+        if 0 in self._driver.local:
             total = microbatch.batch_size(inputs, argument="inputs")
             sizes = self._split(total, self._step_chunks(total, train))
         if reads_targets:

@@ -12,11 +12,11 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import tied as tied_weights
+from . import tied as tied_weights, tracing
 from .frontdoor import FrontDoor, parse_layout
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_flag,
                         check_materialised, check_module, check_workers, default_partitions,
-                        resolve_devices, split)
+                        resolve_devices, resolve_virtual_stages, split)
 from .runtime import graphs, stash
 from .runtime.inprocess import InProcessDriver
 from .runtime.stage import Stage
@@ -81,8 +81,16 @@ class Pipe(FrontDoor):
                  schedule: str = "gpipe", *, virtual_stages: Optional[int] = None,
                  timeout: float = 300.0, cpu_workers: Optional[int] = None,
                  deferred_batch_norm: bool = False, tied: Sequence[Sequence[Any]] = (),
-                 vertical_sync: bool = False, cuda_graphs: bool = False) -> None:
+                 vertical_sync: bool = False, cuda_graphs: bool = False,
+                 split_points: Optional[Any] = None, example_inputs: Optional[Any] = None) -> None:
         super().__init__()
+        traced = module if tracing.wanted(module, split_points) else None
+        if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
+            check_materialised(traced)
+            module, balance = tracing.stages_of(
+                traced, split_points, example_inputs,
+                tracing.stage_count(devices, resolve_virtual_stages(virtual_stages,
+                                                                    schedule))), None
         module = check_module(module)
         check_materialised(module)
         layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
@@ -121,6 +129,8 @@ class Pipe(FrontDoor):
         if use_graphs:
             graphs.enable(self._stages)
         self._pipedream = stash.PipeDream(self._stages, vertical_sync) if asynchronous else None
+        if traced is not None:
+            self.module = traced  # names, state dicts and modes are the traced module's
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
         object.__setattr__(self, "_driver", InProcessDriver(
             self._stages, self._devices, self._workers, tied_grads, layout.timeout))

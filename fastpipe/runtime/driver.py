@@ -9,7 +9,7 @@ The defaults here are those of a driver that runs every stage itself.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +31,8 @@ class Driver:
     shows_next_count: bool = True
     #: whether this process logs the automatic choices (one process per pipeline does)
     reports: bool = True
+    #: data-parallel replicas of this process's stages, whose gradients are averaged
+    replicas: int = 1
 
     def guarded(self) -> ContextManager[None]:
         """Wraps every step: refuses or reports failures where processes must agree on them."""
@@ -63,13 +65,16 @@ class Driver:
         """The whole pipeline's measured timeline of the recorded step."""
         raise NotImplementedError  # pragma: no cover
 
-    def loss(self, step: StepState, num_microbatches: int) -> torch.Tensor:
-        """The step's loss, from the weighted micro-batch losses."""
+    def loss(self, step: StepState, num_microbatches: int) -> Tuple[torch.Tensor, Optional[float]]:
+        """The step's loss from the weighted micro-batch losses, and with ``(loss_sum, count)``
+        losses the whole step's count (the loss is then the sums over it), else ``None``."""
         raise NotImplementedError  # pragma: no cover
 
-    def sync_gradients(self) -> None:
-        """After the backward: make the gradients those of the whole pipeline (data-parallel
-        averages, tied-weight sums across processes)."""
+    def average_gradients(self) -> None:
+        """After the backward: average the gradients over data-parallel replicas."""
+
+    def sum_tied_gradients(self) -> None:
+        """Then sum the gradients of weights tied across processes."""
 
     def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
         """Before the front door steps ``optimizer`` (through ``scaler`` when given)."""

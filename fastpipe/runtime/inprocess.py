@@ -5,7 +5,7 @@ or captures CUDA graphs, and lets the worker policy pick the thread count of the
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,8 +51,13 @@ class InProcessDriver(Driver):
     def timeline(self, recorder: StepRecorder) -> Timeline:
         return recorder.timeline(dict(enumerate(self.devices)), self.timeout)
 
-    def loss(self, step: StepState, num_microbatches: int) -> torch.Tensor:
-        return torch.stack([step.losses[i] for i in range(num_microbatches)]).sum()
+    def loss(self, step: StepState, num_microbatches: int) -> Tuple[torch.Tensor, Optional[float]]:
+        loss = torch.stack([step.losses[i] for i in range(num_microbatches)]).sum()
+        token_mean = step.token_mean
+        if token_mean is None or not token_mean.active:
+            return loss, None
+        total = token_mean.total()
+        return (loss / total if total > 0 else loss * 0.0), total
 
     def wait_for_devices(self) -> None:
         adaptive.wait_for(self.devices, self.timeout)

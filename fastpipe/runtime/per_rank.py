@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,8 @@ class PerRankDriver(Driver):
         self.executor = DistributedExecutor(topology, self.board, self._after_action,
                                             Kinds(names), self.skips)
         self.data_group = data_group
-        self.grad_sync = (GradSync(data_group, self.board, timeout) if data_group is not None
-                          and dist.get_world_size(data_group) > 1 else None)
+        self.replicas = 1 if data_group is None else dist.get_world_size(data_group)
+        self.grad_sync = GradSync(data_group, self.board, timeout) if self.replicas > 1 else None
         self.tied = TiedSync(shared, topology.owner, topology.group, topology.device, self.board,
                              timeout)
         self.steps = 0
@@ -119,6 +119,7 @@ class PerRankDriver(Driver):
         info = self.executor.info
         info.step, info.num_microbatches, info.batch_size = self.steps, len(sizes), sum(sizes)
         info.losses = step.losses  # filled by the last stage or by the headers
+        info.token_mean = step.token_mean  # counts of (loss_sum, count) losses, from headers
         kinds = ["act", "grad"] if train else ["act"]
         found = flows(self.topology, self.local, len(self.stages),
                       {k: len(sizes) for k in kinds}, self.skips)
@@ -167,24 +168,34 @@ class PerRankDriver(Driver):
         return Timeline.from_intervals(recorder.num_stages, intervals, source="measured",
                                        unit="s")
 
-    def loss(self, step: StepState, num_microbatches: int) -> torch.Tensor:
+    def loss(self, step: StepState, num_microbatches: int) -> Tuple[torch.Tensor, Optional[float]]:
         """The step's loss on every rank: the last stage's rank computed the micro-batch losses,
-        the others received them in the headers of their gradients (averaged over replicas)."""
+        the others received them in the headers of their gradients (averaged over replicas).
+        With ``(loss_sum, count)`` losses, the sums over the total count (over the replicas
+        too), which is also returned; else ``None``."""
         missing = [i for i in range(num_microbatches) if i not in step.losses]
         if missing:
             raise PipelineError(f"rank {self.topology.rank}: the losses of micro-batches "
                                 f"{missing} never arrived with their gradients")
         total = math.fsum(float(step.losses[i]) for i in range(num_microbatches))
-        loss = torch.tensor(total, dtype=step.losses[0].dtype, device=self.topology.device)
-        if self.data_group is not None and dist.get_world_size(self.data_group) > 1:
-            work = dist.all_reduce(loss, group=self.data_group, async_op=True)
+        token_mean = step.token_mean
+        counted = token_mean is not None and token_mean.active
+        values = [total, token_mean.total()] if counted else [total]
+        sums = torch.tensor(values, dtype=torch.float64, device=self.topology.device)
+        if self.replicas > 1:
+            work = dist.all_reduce(sums, group=self.data_group, async_op=True)
             wait_work(work, self.timeout, "the data-parallel loss average", self.board)
-            loss /= dist.get_world_size(self.data_group)
-        return loss
+        dtype = step.losses[0].dtype
+        if counted:
+            count = float(sums[1])
+            return (sums[0] / count if count > 0 else sums[0] * 0).to(dtype), count
+        return (sums[0] / self.replicas).to(dtype), None
 
-    def sync_gradients(self) -> None:
+    def average_gradients(self) -> None:
         if self.grad_sync is not None:
             self.grad_sync.finish()
+
+    def sum_tied_gradients(self) -> None:
         self.tied.sum_gradients()
 
     def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
