@@ -14,6 +14,7 @@ averaged across replicas, each stage's as soon as its last backward of the step 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import amp, batchnorm, microbatch, tied as tied_weights, tracing
+from . import amp, batchnorm, materialise, microbatch, tied as tied_weights, tracing
 from .runtime import adaptive, auto
 from .checkpoint import checkpoint_stop, draw_step_seed
 from .errors import PeerLost, PipelineAborted, PipelineError, ProcessGroupError
@@ -109,7 +110,8 @@ class DistributedPipe(FrontDoor):
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
                  tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
-                 example_inputs: Optional[Any] = None) -> None:
+                 example_inputs: Optional[Any] = None,
+                 init_weights: Optional[Callable[[nn.Module], Any]] = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
@@ -156,11 +158,19 @@ class DistributedPipe(FrontDoor):
         kept: "OrderedDict[str, nn.Module]" = OrderedDict()
         keys = layer_names(module, len(layers))
         stages: List[Any] = []
+        init = materialise.check_init_weights(init_weights)
+        if isinstance(module, nn.Module):  # meta tensors this rank uses get memory, ties kept
+            new = materialise.materialise_used(
+                traced if traced is not None else module,
+                [layers[i] for k in range(p * v) if owner[k] == rank
+                 for i in range(starts[k], starts[k + 1])], self._device, init)
+            shared = [dataclasses.replace(w, parameter=new.get(id(w.parameter), w.parameter))
+                      for w in shared]
         for k in range(p * v):
             if owner[k] != rank:
                 stages.append(_RemoteStage(k, self._device))
                 continue
-            part = OrderedDict((keys[i], _materialise(layers[i], self._device))
+            part = OrderedDict((keys[i], _materialise(layers[i], self._device, init))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
             stages.append(Stage(k, nn.Sequential(part), self._device,
@@ -564,33 +574,16 @@ def _balance(module: Any, layers: List[Any], balance: Optional[Sequence[int]],
     return values
 
 
-def _materialise(layer: Any, device: torch.device) -> nn.Module:
+def _materialise(layer: Any, device: torch.device, init_weights: Any) -> nn.Module:
     """A kept layer on ``device``: built (factories), allocated (meta) or moved."""
     if not isinstance(layer, nn.Module):
         layer = layer()
         if not isinstance(layer, nn.Module):
             raise TypeError(f"a layer factory returned {type(layer).__name__}, not an nn.Module")
-    tensors = itertools.chain(layer.parameters(), layer.buffers())
-    if any(t.is_meta for t in tensors):
-        layer.to_empty(device=device)
-        for sub in layer.modules():
-            _reset(sub)
+    if materialise.is_meta(layer):
+        materialise.materialise_layer(layer, device, init_weights)
         return layer
     return layer.to(device)
-
-
-def _reset(module: nn.Module) -> None:
-    """Initialise a module materialised from the meta device with its own initialiser."""
-    for name in ("reset_parameters", "_reset_parameters"):
-        reset = getattr(module, name, None)
-        if callable(reset):
-            reset()
-            return
-    own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-    if own:
-        raise TypeError(f"{type(module).__name__} was built on the meta device but has no "
-                        f"reset_parameters() to initialise its own tensors; give it one, or pass "
-                        f"layer factories instead of a meta model")
 
 
 def _resolve_device(device: Optional[Union[str, torch.device]], group: Any) -> torch.device:
