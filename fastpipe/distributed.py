@@ -101,6 +101,13 @@ class DistributedPipe(FrontDoor):
             on each; the copies start equal (broadcast from the first stage that uses it), their
             gradients are summed across those ranks at the end of every step, so identical
             optimizer steps keep them equal.
+        split_points, example_inputs: as in ``Pipe``: any ``nn.Module`` is traced on
+            ``example_inputs`` (every rank passes them) and cut at ``split_points``
+            (``fastpipe.tracing``); names and state dicts are the module's own.
+        init_weights: for a model built on the ``meta`` device, a function of one submodule
+            that initialises its own tensors (a Hugging Face model's ``_init_weights``); each
+            rank gives memory only to what its stages use (``fastpipe.materialise``). Default:
+            each submodule's ``reset_parameters()``.
     """
 
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
