@@ -13,6 +13,7 @@ averaged across replicas, each stage's as soon as its last backward of the step 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import tied as tied_weights, tracing
+from . import materialise, tied as tied_weights, tracing
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
 from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
@@ -73,6 +74,13 @@ class DistributedPipe(FrontDoor):
             on each; the copies start equal (broadcast from the first stage that uses it), their
             gradients are summed across those ranks at the end of every step, so identical
             optimizer steps keep them equal.
+        split_points, example_inputs: as in ``Pipe``: any ``nn.Module`` is traced on
+            ``example_inputs`` (every rank passes them) and cut at ``split_points``
+            (``fastpipe.tracing``); names and state dicts are the module's own.
+        init_weights: for a model built on the ``meta`` device, a function of one submodule
+            that initialises its own tensors (a Hugging Face model's ``_init_weights``); each
+            rank gives memory only to what its stages use (``fastpipe.materialise``). Default:
+            each submodule's ``reset_parameters()``.
     """
 
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
@@ -82,7 +90,8 @@ class DistributedPipe(FrontDoor):
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
                  tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
-                 example_inputs: Optional[Any] = None) -> None:
+                 example_inputs: Optional[Any] = None,
+                 init_weights: Optional[Callable[[nn.Module], Any]] = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
@@ -116,11 +125,19 @@ class DistributedPipe(FrontDoor):
         kept: "OrderedDict[str, nn.Module]" = OrderedDict()
         keys = layer_names(module, len(layers))
         stages: List[Any] = []
+        init = materialise.check_init_weights(init_weights)
+        if isinstance(module, nn.Module):  # meta tensors this rank uses get memory, ties kept
+            new = materialise.materialise_used(
+                traced if traced is not None else module,
+                [layers[i] for k in range(p * v) if owner[k] == rank
+                 for i in range(starts[k], starts[k + 1])], self._device, init)
+            shared = [dataclasses.replace(w, parameter=new.get(id(w.parameter), w.parameter))
+                      for w in shared]
         for k in range(p * v):
             if owner[k] != rank:
                 stages.append(RemoteStage(k, self._device))
                 continue
-            part = OrderedDict((keys[i], _materialise(layers[i], self._device))
+            part = OrderedDict((keys[i], _materialise(layers[i], self._device, init))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
             stages.append(Stage(k, nn.Sequential(part), self._device,
@@ -241,33 +258,16 @@ def _balance(module: Any, layers: List[Any], balance: Optional[Sequence[int]],
     return values
 
 
-def _materialise(layer: Any, device: torch.device) -> nn.Module:
+def _materialise(layer: Any, device: torch.device, init_weights: Any) -> nn.Module:
     """A kept layer on ``device``: built (factories), allocated (meta) or moved."""
     if not isinstance(layer, nn.Module):
         layer = layer()
         if not isinstance(layer, nn.Module):
             raise TypeError(f"a layer factory returned {type(layer).__name__}, not an nn.Module")
-    tensors = itertools.chain(layer.parameters(), layer.buffers())
-    if any(t.is_meta for t in tensors):
-        layer.to_empty(device=device)
-        for sub in layer.modules():
-            _reset(sub)
+    if materialise.is_meta(layer):
+        materialise.materialise_layer(layer, device, init_weights)
         return layer
     return layer.to(device)
-
-
-def _reset(module: nn.Module) -> None:
-    """Initialise a module materialised from the meta device with its own initialiser."""
-    for name in ("reset_parameters", "_reset_parameters"):
-        reset = getattr(module, name, None)
-        if callable(reset):
-            reset()
-            return
-    own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-    if own:
-        raise TypeError(f"{type(module).__name__} was built on the meta device but has no "
-                        f"reset_parameters() to initialise its own tensors; give it one, or pass "
-                        f"layer factories instead of a meta model")
 
 
 def _resolve_device(device: Optional[Union[str, torch.device]], group: Any) -> torch.device:

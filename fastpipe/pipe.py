@@ -73,6 +73,13 @@ class Pipe(FrontDoor):
             eagerly, with one warning each.
         vertical_sync: with ``schedule='pipedream'``, run each micro-batch on every stage with
             the weight version stage 0 gave it (see ``fastpipe.runtime.stash``).
+        split_points: for any ``nn.Module`` (or to cut an ``nn.Sequential`` by submodule
+            names): submodule names, each beginning a stage, or ``'auto'`` (the largest list of
+            repeated blocks, cut into ``len(devices) * virtual_stages`` stages). The module is
+            traced with ``torch.export`` (``fastpipe.tracing``); names, ties, inputs and outputs
+            stay the module's own.
+        example_inputs: the batch the module is traced on (a tensor, a tuple of positional
+            inputs, a dict of keyword inputs); required for a module other than a Sequential.
     """
 
     def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,

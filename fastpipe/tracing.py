@@ -202,6 +202,19 @@ class GraphStage(nn.Module):
         self._out_specs = out_specs
         self._owner = [owner]  # not a submodule: its parameters are the graphs' already
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "GraphStage":
+        """Moving the stage (``.to(device)``, ``.cuda()``, ``to_empty``) moves its parameters and
+        also the device constants its graphs were traced with (``torch.arange(...,
+        device=...)``), so a stage traced on the CPU runs on the device it is placed on."""
+        result = super()._apply(fn, recurse)
+        try:
+            device = fn(torch.empty(0)).device
+        except Exception:  # noqa: BLE001 - a conversion that is not a move leaves constants
+            return result
+        for graph in (self.train_graph, self.eval_graph):
+            place_constants(graph, device)
+        return result
+
     @property
     def mutated_buffers(self) -> List[torch.Tensor]:
         """The buffers a training forward updates in place (batch-norm running statistics):
@@ -224,6 +237,22 @@ class GraphStage(nn.Module):
         if self._out_specs is not None:
             return pytree.tree_unflatten(list(values), self._out_specs[mode])
         return tuple(values)
+
+
+def place_constants(gm: fx.GraphModule, device: torch.device) -> None:
+    """Make the devices a traced graph names (``device=`` arguments, ``.to(device)`` targets)
+    ``device``."""
+    def moved(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value != device else value
+
+    changed = False
+    for node in gm.graph.nodes:
+        args = tuple(moved(a) for a in node.args)
+        kwargs = {k: moved(v) for k, v in node.kwargs.items()}
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs, changed = args, kwargs, True
+    if changed:
+        gm.recompile()
 
 
 # Operations that update their running-statistics arguments in place without saying so in their

@@ -358,7 +358,17 @@ def traced_gpt2(schedules: List[List[Any]]) -> Dict:
             torch.testing.assert_close(p.grad, expected[n], **TOL, msg=lambda m: f"{n}: {m}")
         pipe.load_state_dict(plain.state_dict())  # a plain checkpoint loads as it is
         names = sorted(n for n, _ in pipe.named_parameters())
-    return {"names": names}
+    with torch.device("meta"):  # a large model: each rank gives memory to its stage only
+        meta = transformers.GPT2LMHeadModel(config)
+    pipe = DistributedPipe(meta, chunks=4, split_points="auto", example_inputs=inputs,
+                           init_weights=meta._init_weights, timeout=60)
+    pipe.load_state_dict(plain.state_dict())
+    loss = pipe.train_step(inputs, ids, lm_loss)
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], **TOL, msg=lambda m: f"meta {n}: {m}")
+    still_meta = sum(p.is_meta for p in meta.parameters())
+    return {"names": names, "meta_left": still_meta}
 
 
 def bad_targets() -> Dict:

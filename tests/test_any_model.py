@@ -213,3 +213,17 @@ def test_an_untraceable_model_names_the_module_and_what_to_do():
     with pytest.raises(tracing.TraceError, match="could not trace Branchy.*control flow"):
         fastpipe.Pipe(Branchy(), chunks=2, devices=["cpu"] * 2, split_points=["b"],
                       example_inputs=torch.randn(4, 4))
+
+
+def test_moving_a_stage_moves_the_devices_its_graph_was_traced_with():
+    """The graph of a model traced on the CPU creates tensors on the CPU (positions, masks);
+    placed on another device, a stage creates them there (checked on the meta device)."""
+    model = gpt2()
+    inputs, _ = batch()
+    stages = tracing.split(model, ["transformer.h.2"], inputs).stages
+    code = stages[0].train_graph.code
+    assert "device(type='cpu')" in code
+    stages.to("meta")
+    assert "device(type='cpu')" not in stages[0].train_graph.code
+    out = stages({k: v.to("meta") for k, v in inputs.items()})
+    assert out.logits.device.type == "meta" and out.logits.shape == (6, SEQ, VOCAB)

@@ -168,6 +168,7 @@ def test_a_hugging_face_gpt2_untouched_across_ranks():
     first, last = (r["names"] for r in results)
     assert "transformer.wte.weight" in first and "transformer.wte.weight" in last  # tied
     assert "transformer.h.0.attn.c_attn.weight" in first and "lm_head.weight" not in last
+    assert all(r["meta_left"] > 0 for r in results)  # the other rank's layers stayed on meta
 
 
 def test_a_detached_loss_fails_every_rank_before_any_gradient():
