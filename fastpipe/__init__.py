@@ -6,23 +6,25 @@ process per stage under ``torchrun``; ``GPipe`` is torchgpipe's front door over 
 """
 import torch  # noqa: F401  (loads libtorch before the native library needs it)
 
-from . import amp, balance, batchnorm, memory, microbatch, ops, schedule, schedules, skip, tied
-from . import distributed, models, nn, tracing
+from .policies import amp, batchnorm, tied
+from . import balance, memory, microbatch, ops, schedule, schedules, skip
+from . import distributed, nn, tracing
+from .apps import models
 from ._native import FastpipeNativeWarning
-from .checkpoint import is_checkpointing, is_recomputing
+from .policies.checkpoint import is_checkpointing, is_recomputing
 from .distributed import DistributedPipe, init_mesh
-from .doctor_report import Diagnosis, doctor
+from .diagnosis.report import Diagnosis, doctor
 from .errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
                      ProcessGroupError, StageFailure)
 from .frontdoor import UncertainWeighting
-from .info import format_info, info
+from .apps.info import format_info, info
 from .ops import reference_transfer, transfer
 from .pipe import Pipe
 from .compat import GPipe  # after .pipe: GPipe is a front over Pipe
 from .runtime.labels import profile
 from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "GPipe",

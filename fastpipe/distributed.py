@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import materialise, tied as tied_weights, tracing
+from . import materialise, tracing
+from .policies import tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
 from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
-from .runtime import stash
+from .runtime import weight_versions
 from .runtime.dist_executor import Topology
 from .runtime.per_rank import PerRankDriver, RemoteStage
 from .runtime.stage import Stage
@@ -150,8 +151,8 @@ class DistributedPipe(FrontDoor):
         self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
                                      layout.timeout)
         skip_exchange.wire(stages, self._driver.skips)
-        self._pipedream = (stash.PipeDream(stages) if self._schedule_name == "pipedream"
-                           else None)
+        self._pipedream = (weight_versions.PipeDream(stages)
+                           if self._schedule_name == "pipedream" else None)
         _check_asynchronous(self._pipedream, data_parallel_group, self._driver.tied)
         self._driver.tied.broadcast_initial()
 

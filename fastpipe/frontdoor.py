@@ -21,12 +21,13 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import amp, microbatch, selective, tracing
-from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
+from . import microbatch, tracing
+from .policies import amp, selective
+from .policies.checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import check_chunks, check_flag, check_timeout, resolve_virtual_stages
 from .runtime import adaptive, auto, vitals
 from .runtime.driver import Driver
-from .runtime.stash import check_optimizer_argument, step_optimizer
+from .runtime.weight_versions import check_optimizer_argument, step_optimizer
 from .runtime.step import StepState
 from .runtime.token_mean import TokenMean
 from .runtime.trace import StepRecorder, Trace
@@ -206,7 +207,7 @@ class FrontDoor(nn.Module):
         not zero the gradients: call ``optimizer.zero_grad()`` before each step as usual. Under
         ``schedule='pipedream'`` it is required, and each stage steps it on its own parameters
         after every micro-batch's backward, with that micro-batch's gradient (``.grad`` then
-        holds the last one); see ``fastpipe.runtime.stash`` for the exact semantics.
+        holds the last one); see ``fastpipe.runtime.weight_versions`` for the exact semantics.
         ``loss_fn`` may return ``(loss_sum, count)`` per micro-batch (e.g. a token count): the
         step's loss is then the sums over the whole batch's count, and so are its gradients
         (``fastpipe.runtime.token_mean``).

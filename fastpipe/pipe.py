@@ -12,12 +12,13 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import tied as tied_weights, tracing
+from . import tracing
+from .policies import tied as tied_weights
 from .frontdoor import FrontDoor, parse_layout
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_flag,
                         check_materialised, check_module, check_workers, default_partitions,
                         resolve_devices, resolve_virtual_stages, split)
-from .runtime import graphs, stash
+from .runtime import graphs, weight_versions
 from .runtime.inprocess import InProcessDriver
 from .runtime.stage import Stage
 from .runtime.workers import WorkerPolicy
@@ -39,9 +40,9 @@ class Pipe(FrontDoor):
             ``fastpipe.balance.by_time`` / ``by_size`` give profiled balances.
         checkpoint: ``'never'``, ``'except_last'`` (all micro-batches but the last recompute their
             forward in backward), ``'always'``, or ``'offload'`` (nothing recomputed: the tensors
-            saved for backward wait in host memory, see ``fastpipe.offload``), or ``'selective'``
-            (matrix-product outputs kept, everything else recomputed in backward, see
-            ``fastpipe.selective``).
+            saved for backward wait in host memory, see ``fastpipe.policies.offload``), or
+            ``'selective'`` (matrix-product outputs kept, everything else recomputed in backward,
+            see ``fastpipe.policies.selective``).
         schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
             ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``), or
             ``'auto'``: the first ``train_step`` runs 1F1B (looped BFS with virtual stages),
@@ -72,7 +73,7 @@ class Pipe(FrontDoor):
             ``fastpipe.runtime.graphs``). CPU stages, unusual inputs and failed captures run
             eagerly, with one warning each.
         vertical_sync: with ``schedule='pipedream'``, run each micro-batch on every stage with
-            the weight version stage 0 gave it (see ``fastpipe.runtime.stash``).
+            the weight version stage 0 gave it (see ``fastpipe.runtime.weight_versions``).
         split_points: for any ``nn.Module`` (or to cut an ``nn.Sequential`` by submodule
             names): submodule names, each beginning a stage, or ``'auto'`` (the largest list of
             repeated blocks, cut into ``len(devices) * virtual_stages`` stages). The module is
@@ -135,7 +136,8 @@ class Pipe(FrontDoor):
         skip_exchange.wire(self._stages, skips)
         if use_graphs:
             graphs.enable(self._stages)
-        self._pipedream = stash.PipeDream(self._stages, vertical_sync) if asynchronous else None
+        self._pipedream = (weight_versions.PipeDream(self._stages, vertical_sync) if asynchronous
+                           else None)
         if traced is not None:
             self.module = traced  # names, state dicts and modes are the traced module's
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))

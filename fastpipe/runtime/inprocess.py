@@ -9,8 +9,8 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
-from .. import batchnorm
-from ..tied import TiedGradients
+from ..policies import batchnorm
+from ..policies.tied import TiedGradients
 from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
 from . import adaptive, graphs

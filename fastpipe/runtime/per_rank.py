@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from .. import amp, batchnorm, microbatch
+from .. import microbatch
+from ..policies import amp, batchnorm
 from ..errors import PeerLost, PipelineAborted, PipelineError
 from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
