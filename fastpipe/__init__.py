@@ -7,7 +7,7 @@ process per stage under ``torchrun``; ``GPipe`` is torchgpipe's front door over 
 import torch  # noqa: F401  (loads libtorch before the native library needs it)
 
 from .policies import amp, batchnorm, tied
-from . import balance, memory, microbatch, ops, schedule, schedules, skip
+from . import balance, memory, microbatch, ops, schedule, skip
 from . import distributed, nn, tracing
 from .apps import models
 from ._native import FastpipeNativeWarning
@@ -33,6 +33,6 @@ __all__ = [
     "amp", "balance",
     "batchnorm", "distributed", "doctor", "format_info", "get_schedule", "info", "init_mesh",
     "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
-    "profile", "reference_transfer", "schedule", "schedules", "skip", "tied", "tracing",
+    "profile", "reference_transfer", "schedule", "skip", "tied", "tracing",
     "transfer",
 ]
