@@ -32,10 +32,9 @@ from .frontdoor import FrontDoor, check_step_arguments
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
                         check_virtual_stages)
 from .runtime.board import Board, wait_work
-from .runtime.dist_executor import (DistributedExecutor, Topology, flows,
-                                    last_gradient_actions, links)
+from .runtime.dist_executor import DistributedExecutor, Topology, last_gradient_actions
 from .runtime.grad_sync import GradSync
-from .runtime.p2p import Kinds, Link
+from .runtime.lowering import skip_links
 from .runtime.stage import Stage
 from .runtime import stash
 from .runtime.stash import step_optimizer
@@ -161,10 +160,9 @@ class DistributedPipe(FrontDoor):
         object.__setattr__(self, "_local", [k for k in range(p * v) if owner[k] == rank])
         self._skips = {k: plan for k, plan in skips.items() if k in self._local}
         skip_exchange.wire(stages, self._skips)
-        names = sorted({name for plan in skips.values() for name, _ in plan.sends})
         self._board = Board(f"pipe{next(_instances)}", rank)
         self._executor = DistributedExecutor(self._topology, self._board, self._after_action,
-                                             Kinds(names), self._skips)
+                                             skip_links(skips.values()))
         self._sync = _grad_sync(data_parallel_group, self._board, self._timeout)
         self._tied = TiedSync(shared, owner, self._group, self._device, self._board,
                               self._timeout)
@@ -257,7 +255,7 @@ class DistributedPipe(FrontDoor):
         step = self._new_step(inputs if self._topology.local(0) else None, train=True,
                               targets=targets if has_targets else None, loss_fn=loss_fn,
                               scaler=scaler)
-        sizes = self._agree_sizes(step, sizes, ["act", "grad"])
+        sizes = self._agree_sizes(step, sizes)
         schedule = self.plan(len(sizes))
         total = sum(sizes)
         step.loss_weights = ([s / total for s in sizes] if loss_reduction == "mean"
@@ -327,7 +325,7 @@ class DistributedPipe(FrontDoor):
         sizes = self._local_sizes(inputs, None, False)
         step = self._new_step(inputs if self._topology.local(0) else None, train=False)
         step.grad_enabled = False
-        sizes = self._agree_sizes(step, sizes, ["act"])
+        sizes = self._agree_sizes(step, sizes)
         schedule = self.plan(len(sizes))
         self._last_actions = {}
         self._run(schedule.forward_actions, step, schedule)
@@ -376,18 +374,11 @@ class DistributedPipe(FrontDoor):
         step.batch = inputs  # scattered once the micro-batch sizes are agreed
         return step
 
-    def _agree_sizes(self, step: StepState, sizes: Optional[List[int]],
-                     kinds: List[str]) -> List[int]:
+    def _agree_sizes(self, step: StepState, sizes: Optional[List[int]]) -> List[int]:
         """Wire the step and start its receivers. A rank that does not read the batch learns
         the micro-batch count and batch size from the first activation it receives (the header
         of every message repeats them); a rank that reads the targets checks them against it."""
-        n = len(self._stages)
         self._executor.wire(step, self.plan(self._chunks))
-
-        def links_for(m: int) -> Dict[int, Link]:
-            return links(flows(self._topology, self._local, n, {k: m for k in kinds},
-                               self._skips))
-
         entry = min(self._local)
         learned_from: Optional[int] = None
         if entry > 0:
@@ -413,7 +404,9 @@ class DistributedPipe(FrontDoor):
         self._executor.info.step, self._executor.info.num_microbatches = self._steps, m
         self._executor.info.batch_size = sum(sizes)
         self._executor.info.losses = step.losses  # filled by the last stage or by the headers
-        self._executor.expect(list(links_for(m).values()), learned_from)
+        schedule = self.plan(m)
+        rows = schedule.actions if step.train else schedule.forward_actions
+        self._executor.expect(schedule, rows, learned_from)
         if step.batch is not None:
             step.inputs = microbatch.scatter(step.batch, sizes)
         if step.targets is not None:
