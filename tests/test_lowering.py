@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe import skip
 from fastpipe.runtime.lowering import lowering, skip_links
 from fastpipe.runtime.mailbox import Mailbox
 from fastpipe.schedule import (Comm, CommGroup, CommKind, Schedule, ScheduleError,
                                format_program, get_schedule, lower, run_lockstep)
 from fastpipe.schedule.lower import SkipLink
 from helpers import assert_same_grads, grads_of, reference
+from test_skip import AddX, StashX
 
 
 def test_local_transfers_are_ops_to_the_stage_itself():
@@ -58,19 +58,6 @@ def test_a_deadlocking_program_fails_when_lowered():
     schedule = Schedule.from_strings("crossed", ["0B0 0F0", "1F0 1B0"])
     with pytest.raises(ScheduleError, match="deadlocks"):
         lowering(schedule, schedule.actions, ())
-
-
-@skip.skippable(stash=["x"])
-class StashX(nn.Module):
-    def forward(self, x):
-        skip.stash("x", x)
-        return x
-
-
-@skip.skippable(pop=["x"])
-class AddX(nn.Module):
-    def forward(self, h):
-        return h + skip.pop("x")
 
 
 @pytest.mark.parametrize("schedule, v, checkpoint", [("1f1b", 1, "never"),

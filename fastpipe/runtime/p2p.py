@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Comm, CommKind, Payload
-from ..schedule.lower import SkipLink
+from ..schedule.lower import SkipLink, comm_from
 from .hop import Parcel
 from .lowering import carries_loss
 from .mailbox import Mailbox
@@ -55,7 +55,7 @@ class Channels:
     def key(self, index: int, peer: int, microbatch: int, virtual_stage: int) -> Comm:
         """The key of a message on channel ``index`` from physical stage ``peer``."""
         what, skip = self.channels[index]
-        return Comm(CommKind.RECV, what, peer, microbatch, virtual_stage, skip)
+        return comm_from((CommKind.RECV, what, peer, microbatch, virtual_stage, skip))
 
     def name(self, index: int) -> str:
         """A channel's name in messages: ``act``, ``grad``, ``skip/<name>``, ``skipgrad/<name>``."""

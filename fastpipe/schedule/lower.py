@@ -221,33 +221,22 @@ class _Links:
         ``stage`` is an op (a dependency within one chunk moves no tensor)."""
         return peer != stage or (self.local and peer_chunk != chunk)
 
-    def skip_receives(self, stage: int, kind: ActionKind, vs: int) -> _Transfers:
-        """Skip tensors a forward of ``vs`` pops; skip gradients a backward of ``vs`` takes."""
-        if kind is ActionKind.FORWARD:
-            ends = [(s, s.src) for s in self.skips if s.dst == vs]
-            return self._skip_ends(stage, Payload.ACT, ends)
-        if kind is ActionKind.BACKWARD:
-            ends = [(s, s.dst) for s in self.skips if s.src == vs]
-            return self._skip_ends(stage, Payload.GRAD, ends)
-        return ()
-
-    def skip_sends(self, stage: int, kind: ActionKind, vs: int) -> _Transfers:
-        """Skip tensors a forward of ``vs`` stashes; gradients its backward sends back."""
-        if kind is ActionKind.FORWARD:
-            ends = [(s, s.dst) for s in self.skips if s.src == vs]
-            return self._skip_ends(stage, Payload.ACT, ends)
-        if kind is ActionKind.BACKWARD:
-            ends = [(s, s.src) for s in self.skips if s.dst == vs]
-            return self._skip_ends(stage, Payload.GRAD, ends)
-        return ()
-
-    def _skip_ends(self, stage: int, what: Payload, ends: list[tuple[SkipLink, int]]
-                   ) -> _Transfers:
+    def skip_transfers(self, stage: int, kind: ActionKind, vs: int,
+                       receiving: bool) -> _Transfers:
+        """Receiving: the skip tensors a forward of ``vs`` pops, or the skip gradients its
+        backward takes; otherwise the skip tensors a forward stashes, or the gradients a
+        backward sends back."""
+        if kind is ActionKind.WEIGHT:
+            return ()
+        what = Payload.ACT if kind is ActionKind.FORWARD else Payload.GRAD
+        from_producer = receiving == (kind is ActionKind.FORWARD)
         out = []
-        for skip, other in ends:
-            peer = self.schedule.stage_of(other)[0]
-            if self.local or peer != stage:
-                out.append((what, peer, skip))
+        for skip in self.skips:
+            here, other = (skip.dst, skip.src) if from_producer else (skip.src, skip.dst)
+            if here == vs:
+                peer = self.schedule.stage_of(other)[0]
+                if self.local or peer != stage:
+                    out.append((what, peer, skip))
         return tuple(out)
 
 
@@ -293,10 +282,10 @@ def _plan(links: _Links, key: tuple[int, ActionKind, int]) -> _Plan:
     users = schedule.consumer_groups(stage, kind, chunk)
     receives = None if deps is None else tuple(
         (_payload(dep_kind), peer, None) for peer, dep_kind, peer_chunk in deps
-        if wanted(stage, chunk, peer, peer_chunk)) + links.skip_receives(stage, kind, vs)
+        if wanted(stage, chunk, peer, peer_chunk)) + links.skip_transfers(stage, kind, vs, True)
     sends = None if users is None else tuple(
         (_payload(kind), peer, None) for peer, _, peer_chunk in users
-        if wanted(stage, chunk, peer, peer_chunk)) + links.skip_sends(stage, kind, vs)
+        if wanted(stage, chunk, peer, peer_chunk)) + links.skip_transfers(stage, kind, vs, False)
     return vs, receives, sends
 
 
@@ -305,8 +294,8 @@ def _receives(links: _Links, action: Action) -> _Transfers:
     schedule, stage, chunk = links.schedule, action.stage, action.chunk
     deps = schedule.dependencies(action)
     return tuple((_payload(dep.kind), dep.stage, None) for dep in deps
-                 if links.wanted(stage, chunk, dep.stage, dep.chunk)) + links.skip_receives(
-        stage, action.kind, schedule.virtual_stage_of(action))
+                 if links.wanted(stage, chunk, dep.stage, dep.chunk)) + links.skip_transfers(
+        stage, action.kind, schedule.virtual_stage_of(action), True)
 
 
 def _sends(links: _Links, action: Action) -> _Transfers:
@@ -314,8 +303,8 @@ def _sends(links: _Links, action: Action) -> _Transfers:
     schedule, stage, chunk = links.schedule, action.stage, action.chunk
     users = schedule.consumers(action)
     return tuple((_payload(action.kind), u.stage, None) for u in users
-                 if links.wanted(stage, chunk, u.stage, u.chunk)) + links.skip_sends(
-        stage, action.kind, schedule.virtual_stage_of(action))
+                 if links.wanted(stage, chunk, u.stage, u.chunk)) + links.skip_transfers(
+        stage, action.kind, schedule.virtual_stage_of(action), False)
 
 
 def _payload(producer: ActionKind) -> Payload:
