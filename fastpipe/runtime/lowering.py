@@ -15,7 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..schedule import Action, ActionKind, Comm, CommGroup, CommKind, Payload, Schedule, lower, run_lockstep
+from ..schedule import (Action, ActionKind, Comm, CommGroup, CommKind, Op, Payload, Schedule,
+                        lower, run_lockstep)
 from ..schedule.lower import SkipLink
 
 
@@ -39,7 +40,7 @@ class Lowering:
     """One step's lowered programs (one per physical stage) and every action's :class:`Route`."""
 
     schedule: Schedule
-    programs: Tuple[Tuple[Any, ...], ...]
+    programs: Tuple[Tuple[Op, ...], ...]
     routes: Dict[Place, Route]  # by (virtual stage, kind, micro-batch)
     rows: Tuple[Tuple[Tuple[Action, Route], ...], ...]  # each stage's actions, with routes
 
@@ -116,7 +117,8 @@ def _split(program: Sequence[Any]) -> Iterable[Tuple[Action, List[Comm], List[Co
 def _route(schedule: Schedule, stage: int, action: Action, receives: List[Comm],
            sends: List[Comm]) -> Route:
     v = schedule.virtual_stage_of(action)
-    targets = [(comm.counterpart(stage).virtual_stage, comm.counterpart(stage)) for comm in sends]
+    keys = [comm.counterpart(stage) for comm in sends]  # the receive ops they match
+    targets = [(key.virtual_stage, key) for key in keys]
     main_in = [c for c in receives if c.skip is None]
     main_out = [t for t in targets if t[1].skip is None]
     return Route(v, tuple(receives),

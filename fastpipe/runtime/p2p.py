@@ -3,9 +3,9 @@
 Messages go between ranks in one order per (sender, receiver) pair: the order in which the
 sender's lowered stage program sends them (activations, gradients, and the tensors and gradients
 of skip connections, for any of the receiver's stages). A message is keyed, on both ends, by the
-receive op (``Comm``) of the receiver's program; its header carries what rebuilds that key. The sending side is an :class:`Outbox`,
-which a stage's handlers see as the mailbox of a remote stage: ``put`` ships the message with
-non-blocking sends. The receiving side is an :class:`Inbox` per peer, which keeps the next
+receive op (``Comm``) of the receiver's program; its header carries what rebuilds that key.
+The sending side is an :class:`Outbox`, which a stage's handlers see as the mailbox of a remote
+stage: ``put`` ships the message with non-blocking sends. The receiving side is an :class:`Inbox` per peer, which keeps the next
 receive posted ahead of the compute; the rank's worker takes messages from it when an action
 needs them. Every wait has a timeout; a failing rank sends its peers a failure notice in place
 of the next message.
@@ -151,7 +151,8 @@ class Outbox:
                         0 if meta_data is None else meta_data.numel(),
                         0 if payload is None else payload.numel() * payload.element_size(),
                         self.info.step, self.info.loss(mb) if carries_loss(key) else math.nan)
-        what = f"{self.channels.name(kind)} of micro-batch {mb} to stage {self.virtual_stage} on rank {self.rank}"
+        what = (f"{self.channels.name(kind)} of micro-batch {mb} to stage {self.virtual_stage} "
+                f"on rank {self.rank}")
         self._isend(header.encode().to(self.device), HEADER_TAG, what)
         if meta_data is not None:
             self._isend(meta_data, META_TAG, what)
