@@ -11,9 +11,8 @@ from torch import nn
 import fastpipe
 from fastpipe.runtime.lowering import lowering, skip_links
 from fastpipe.runtime.mailbox import Mailbox
-from fastpipe.schedule import (Comm, CommGroup, CommKind, Schedule, ScheduleError,
+from fastpipe.schedule import (Comm, CommGroup, CommKind, Schedule, ScheduleError, SkipLink,
                                format_program, get_schedule, lower, run_lockstep)
-from fastpipe.schedule.lower import SkipLink
 from helpers import assert_same_grads, grads_of, reference
 from test_skip import AddX, StashX
 

@@ -15,17 +15,16 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
-from ..schedule import Action, ActionKind, Schedule
+from ..schedule import Action, ActionKind, Schedule, SkipLink
 from .board import CHECK_EVERY, Board
-from ..schedule.lower import SkipLink
 from .executor import LocalExecutor, Rows
 from .lowering import Route, is_ready, lowering
 from .mailbox import Mailbox

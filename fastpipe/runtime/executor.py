@@ -19,8 +19,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
-from ..schedule import Action, ActionKind, Schedule
-from ..schedule.lower import SkipLink
+from ..schedule import Action, ActionKind, Schedule, SkipLink
 from .lowering import Route, is_ready, lowering, skip_links
 from .mailbox import Mailbox
 from .stage import Stage

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..schedule import (Action, ActionKind, Comm, CommGroup, CommKind, Op, Payload, Schedule,
-                        lower, run_lockstep)
-from ..schedule.lower import SkipLink
+                        SkipLink, lower, run_lockstep)
 
 
 Place = Tuple[int, ActionKind, int]  # an action's (virtual stage, kind, micro-batch)

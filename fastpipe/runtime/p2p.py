@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..schedule import Comm, CommKind, Payload
-from ..schedule.lower import SkipLink, comm_from
+from ..schedule import Comm, CommKind, Payload, SkipLink
+from ..schedule.lower import comm_from
 from .hop import Parcel
 from .lowering import carries_loss
 from .mailbox import Mailbox
