@@ -89,14 +89,19 @@ def _build(schedule: Schedule, rows: Sequence[Sequence[Action]],
                             schedule.placement)
     programs = lower(schedule, local=True, skips=skips)
     run_lockstep(schedule, programs, comm="buffered")  # raises ScheduleError on a deadlock
-    rows = tuple(tuple((action, _route(schedule, stage, action, receives, sends))
-                       for action, receives, sends in _split(program))
-                 for stage, program in enumerate(programs))
+    split = [_split(program) for program in programs]
+    # a sender keys its message with the very receive op the receiver waits for (found by
+    # identity in the mailbox, without comparing fields)
+    receive_ops = {comm: comm for entries in split for _, receives, _ in entries
+                   for comm in receives}
+    rows = tuple(tuple((action, _route(schedule, stage, action, receives, sends, receive_ops))
+                       for action, receives, sends in entries)
+                 for stage, entries in enumerate(split))
     routes = {(r.virtual_stage, a.kind, a.microbatch): r for row in rows for a, r in row}
     return Lowering(schedule, programs, routes, rows)
 
 
-def _split(program: Sequence[Any]) -> Iterable[Tuple[Action, List[Comm], List[Comm]]]:
+def _split(program: Sequence[Any]) -> List[Tuple[Action, List[Comm], List[Comm]]]:
     """Each action of a program with the receives before it and the sends after it."""
     entries: List[Tuple[Action, List[Comm], List[Comm]]] = []
     receives: List[Comm] = []
@@ -114,9 +119,9 @@ def _split(program: Sequence[Any]) -> Iterable[Tuple[Action, List[Comm], List[Co
 
 
 def _route(schedule: Schedule, stage: int, action: Action, receives: List[Comm],
-           sends: List[Comm]) -> Route:
+           sends: List[Comm], receive_ops: Dict[Comm, Comm]) -> Route:
     v = schedule.virtual_stage_of(action)
-    keys = [comm.counterpart(stage) for comm in sends]  # the receive ops they match
+    keys = [receive_ops[comm.counterpart(stage)] for comm in sends]  # the receive ops they match
     targets = [(key.virtual_stage, key) for key in keys]
     main_in = [c for c in receives if c.skip is None]
     main_out = [t for t in targets if t[1].skip is None]
