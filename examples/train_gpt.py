@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import fastpipe
 from fastpipe.distributed import DistributedPipe, init_mesh
 from fastpipe.models import counting_task, gpt, lm_loss
 from fastpipe.schedule import render
@@ -41,8 +42,8 @@ def parse() -> argparse.Namespace:
                         help="pipelines side by side (world size = stages x this)")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--trace", default=None, metavar="FILE.json",
-                        help="trace the last step: print its timeline (rank 0) and write it as "
-                             "Chrome/Perfetto trace JSON")
+                        help="trace the last step: print its timeline and the doctor's report "
+                             "(rank 0) and write it as Chrome/Perfetto trace JSON")
     return parser.parse_args()
 
 
@@ -72,10 +73,12 @@ def main() -> None:
         optimizer.step()
         times.append(time.perf_counter() - start)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:3d}  loss {loss.item():.3f}  {times[-1] * 1e3:.1f} ms", flush=True)
+            # pipe.last_step: this step's samples/s and its stage's measured bubble share
+            print(f"step {step:3d}  loss {loss.item():.3f}  {pipe.last_step}", flush=True)
     if rank == 0 and args.trace is not None:
         print(render.ascii(t.timeline, width=90))
-        render.write_chrome_trace(t.timeline, args.trace)
+        t.write(args.trace)  # then: python -m fastpipe doctor FILE.json
+        print(fastpipe.doctor(t))
     if rank == 0:
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
         print(f"{world} ranks ({stages} stages x {args.data_parallel} replicas), schedule "

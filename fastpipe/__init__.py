@@ -11,18 +11,22 @@ from . import distributed, models, nn
 from ._native import FastpipeNativeWarning
 from .checkpoint import is_checkpointing, is_recomputing
 from .distributed import DistributedPipe, init_mesh
-from .errors import (PipelineAborted, PipelineError, PipelineTimeout, StageFailure)
+from .doctor_report import Diagnosis, doctor
+from .errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
+                     ProcessGroupError, StageFailure)
 from .info import format_info, info
 from .ops import reference_transfer, transfer
 from .pipe import Pipe
+from .runtime.labels import profile
 from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Action", "ActionKind", "DistributedPipe", "FastpipeNativeWarning", "Pipe", "PipelineAborted",
-    "PipelineError", "PipelineTimeout", "Schedule", "ScheduleError", "StageFailure", "amp",
-    "balance", "batchnorm", "distributed", "format_info", "get_schedule", "info", "init_mesh",
+    "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning",
+    "LossFunctionError", "Pipe", "PipelineAborted", "PipelineError", "PipelineTimeout",
+    "ProcessGroupError", "Schedule", "ScheduleError", "StageFailure", "amp", "balance",
+    "batchnorm", "distributed", "doctor", "format_info", "get_schedule", "info", "init_mesh",
     "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
-    "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",
+    "profile", "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",
 ]

@@ -13,6 +13,8 @@ commands:
             (python -m fastpipe schedule 1f1b --stages 4 --chunks 8)
   simulate  time a schedule under given costs, draw its timeline, compare with closed forms
             (python -m fastpipe simulate --schedule 1f1b --stages 4 --chunks 8 --costs 1,2,0)
+  doctor    where a traced step's time went and what to change
+            (python -m fastpipe doctor trace.json; write it with Trace.write in pipe.trace())
 """
 
 
@@ -32,6 +34,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "simulate":
         from .cli_simulate import main as simulate
         return simulate(rest)
+    if command == "doctor":
+        from .doctor_cli import main as diagnose
+        return diagnose(rest)
     if command == "demo":
         from .demo import main as demo
         demo(rest)

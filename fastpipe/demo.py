@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import microbatch
+from .doctor_report import doctor
 from .memory import SavedActivationMeter, cuda_peaks, format_bytes
 from .models import counting_task, gpt, lm_loss
 from .pipe import Pipe
@@ -89,20 +90,23 @@ def main(argv: Optional[List[str]] = None) -> None:
                 with pipe.trace() as trace:
                     loss = pipe.train_step(inputs, targets, lm_loss).item()
                 timelines.append(trace.timeline)
+                last_trace = trace
             else:
                 loss = pipe.train_step(inputs, targets, lm_loss).item()
             optimizer.step()
             rates.append(args.batch / (time.perf_counter() - start))
             losses.append(loss)
-            bar.update(f"loss {loss:.4f}, {rates[-1]:.0f} samples/s")
+            bar.update(f"loss {loss:.4f}, {pipe.last_step.summary}")
             if step % every == 0 or step == args.steps:
-                bar.write(f"step {step:3d}  loss {loss:.4f}  {rates[-1]:8.1f} samples/s")
+                bar.write(f"step {step:3d}  loss {loss:.4f}  {pipe.last_step}")
     finally:
         bar.close()
         meter.__exit__(None, None, None)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} "
           f"({'falling' if losses[-1] < losses[0] else 'NOT falling'})")
     _report(pipe, args, rates, timelines, meter)
+    if timelines:  # where the last step's time went, and what to change
+        print(f"\npipeline doctor, last step:\n{doctor(last_trace)}")
 
 
 def _describe(pipe: Pipe, args: argparse.Namespace) -> None:

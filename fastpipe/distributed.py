@@ -26,9 +26,9 @@ from torch import nn
 
 from . import amp, batchnorm, microbatch, tied as tied_weights
 from .runtime import adaptive, auto
-from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
-from .errors import PipelineAborted, PipelineError
-from .frontdoor import FrontDoor, check_step_arguments
+from .checkpoint import checkpoint_stop, draw_step_seed
+from .errors import PeerLost, PipelineAborted, PipelineError, ProcessGroupError
+from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
                         check_virtual_stages)
 from .runtime.board import Board, wait_work
@@ -40,6 +40,7 @@ from .runtime import stash
 from .runtime.stash import step_optimizer
 from .runtime.step import StepState
 from .runtime.tied_sync import TiedSync
+from .runtime import vitals
 from .runtime.trace import StepRecorder, Trace
 from .schedule.timeline import Timeline
 from .schedule import Schedule
@@ -107,7 +108,7 @@ class DistributedPipe(FrontDoor):
                  tied: Sequence[Sequence[Any]] = ()) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DistributedPipe needs torch.distributed: call "
+            raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (under torchrun the "
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
@@ -117,7 +118,7 @@ class DistributedPipe(FrontDoor):
         tie_groups = _check_tied(module, tied)
         self._chunks = 1 if self._auto_chunks else check_chunks(chunks)
         self.chunk_search: Optional[adaptive.ChunkSearch] = None  # chunks='auto', first rank
-        self._checkpoint = check_mode(checkpoint)
+        self._checkpoint = check_checkpoint(checkpoint)
         self._timeout = check_timeout(timeout)
         self._virtual = check_virtual_stages(virtual_stages)
         self._schedule_name = auto.check_name(schedule)
@@ -160,7 +161,7 @@ class DistributedPipe(FrontDoor):
         object.__setattr__(self, "_local", [k for k in range(p * v) if owner[k] == rank])
         self._skips = {k: plan for k, plan in skips.items() if k in self._local}
         skip_exchange.wire(stages, self._skips)
-        self._board = Board(f"pipe{next(_instances)}", rank)
+        self._board = Board(f"pipe{next(_instances)}", rank, ranks=ranks)
         self._executor = DistributedExecutor(self._topology, self._board, self._after_action,
                                              skip_links(skips.values()))
         self._sync = _grad_sync(data_parallel_group, self._board, self._timeout)
@@ -231,6 +232,9 @@ class DistributedPipe(FrontDoor):
         further steps (the peers' message streams are no longer in step with this rank's)."""
         if self._broken is None:
             self._broken = f"{type(error).__name__}: {error}"
+        if isinstance(error, PeerLost):  # a rank that exited or never started tells no one
+            self._executor.fail(error.culprit)
+            return
         if isinstance(error, PipelineAborted):
             return  # another rank failed first and told everyone
         self._executor.fail(f"rank {self._topology.rank} (stage {self._topology.stage}) "
@@ -266,6 +270,7 @@ class DistributedPipe(FrontDoor):
         self._last_actions = last_gradient_actions(schedule.actions[self._topology.stage],
                                                    schedule)
         self._run(schedule.actions, step, schedule)
+        self._executor.confirm_step(self._timeout)  # no rank keeps a step another did not finish
         loss = self._step_loss(step, len(sizes))
         if self.chunk_search is not None and self.chunk_search.chosen is None:
             self.chunk_search.record(len(sizes), total, time.perf_counter() - start)
@@ -276,6 +281,7 @@ class DistributedPipe(FrontDoor):
             if scaler is not None:
                 amp.unscale_and_sync(scaler, optimizer, timeout=self._timeout)
             step_optimizer(optimizer, scaler)
+        vitals.finish_step(self, step, total, start)
         return loss
 
     def _run(self, programs: Any, step: StepState, schedule: Schedule) -> None:
@@ -368,6 +374,7 @@ class DistributedPipe(FrontDoor):
         for k in self._local:
             self._stages[k].rng.reset()
         self._steps += 1
+        self._board.liveness.at(self._steps, "starting the step")
         step = StepState(stages=self._stages, inputs=[], train=train, seed=draw_step_seed(),
                          checkpoint_stop=0, timeout=self._timeout,
                          checkpoint_mode=self._checkpoint, **kwargs)
@@ -421,7 +428,7 @@ class DistributedPipe(FrontDoor):
             raise PipelineError(f"rank {self._topology.rank}: the losses of micro-batches "
                                 f"{missing} never arrived with their gradients")
         total = math.fsum(float(step.losses[i]) for i in range(m))  # the same sum everywhere
-        loss = torch.tensor(total, dtype=torch.float32, device=self._device)
+        loss = torch.tensor(total, dtype=step.losses[0].dtype, device=self._device)
         if self._data_group is not None and dist.get_world_size(self._data_group) > 1:
             work = dist.all_reduce(loss, group=self._data_group, async_op=True)
             wait_work(work, self._timeout, "the data-parallel loss average", self._board)

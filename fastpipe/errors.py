@@ -37,5 +37,33 @@ class StageFailure(PipelineError):
         self.microbatch = microbatch
 
 
+class LossFunctionError(TypeError):
+    """``loss_fn`` returned a value that no backward can start from (not a scalar, not a
+    floating-point tensor, or without a gradient graph). Raised to the caller as it is, before
+    any gradient is written, naming the micro-batch."""
+
+
+class ProcessGroupError(RuntimeError):
+    """``torch.distributed`` is not set up the way a ``DistributedPipe`` needs."""
+
+
+def describe(error: BaseException) -> str:
+    """``Type: message`` of an exception, with the notes added to it (``add_note``)."""
+    notes = "; ".join(getattr(error, "__notes__", ()))
+    return f"{type(error).__name__}: {error}" + (f" ({notes})" if notes else "")
+
+
 class PipelineAborted(PipelineError):
     """A stage stopped because another stage of the same step failed first."""
+
+
+class PeerLost(PipelineAborted):
+    """A rank stopped because another rank of the pipeline exited, froze or never started.
+
+    ``culprit`` is the sentence naming that rank and what it was doing, which this rank posts
+    for every other rank to report.
+    """
+
+    def __init__(self, message: str, *, culprit: str) -> None:
+        super().__init__(message)
+        self.culprit = culprit

@@ -21,6 +21,7 @@ import weakref
 from typing import Any, ContextManager, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .ops.pinned_pool import host_pool
 
@@ -99,6 +100,36 @@ class _Packed:
             pass
 
 
+class _SavedOnce:
+    """The tensors offloaded so far in one forward, found again by the identity of their memory.
+
+    A tensor is identified by its storage object (not the storage's address: a freed tensor's
+    address is reused by the next allocation, which must not be mistaken for it), its place in
+    that storage, and its version counter. Each entry holds a weak reference to its storage,
+    which keeps the storage object's identity from being reused while the entry exists, without
+    keeping the tensor's memory alive.
+    """
+
+    def __init__(self) -> None:
+        self._found: Dict[Tuple[Any, ...], Tuple[StorageWeakRef, _Packed]] = {}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> Tuple[Any, ...]:
+        storage = t.untyped_storage()
+        return (storage._cdata, storage.data_ptr(), t.storage_offset(), tuple(t.shape),
+                t.stride(), t.dtype, t._version)
+
+    def find(self, t: torch.Tensor) -> Optional["_Packed"]:
+        """The copy already made of ``t`` in this forward, if any."""
+        entry = self._found.get(self._key(t))
+        return None if entry is None else entry[1]
+
+    def add(self, t: torch.Tensor, packed: "_Packed") -> "_Packed":
+        """Remember ``packed`` as the copy of ``t``."""
+        self._found[self._key(t)] = (StorageWeakRef(t.untyped_storage()), packed)
+        return packed
+
+
 class StageOffloader:
     """Offloads one stage's saved tensors, per micro-batch, and prefetches them for backward."""
 
@@ -117,16 +148,14 @@ class StageOffloader:
         sharing memory with ``keep`` (parameters, buffers, boundary inputs)."""
         kept = {t.untyped_storage().data_ptr() for t in keep}
         packs = self.pending[microbatch] = []
-        seen: Dict[Tuple[Any, ...], _Packed] = {}  # a tensor saved by two ops is copied once
+        seen = _SavedOnce()  # a tensor saved by two ops is copied once
 
         def pack(t: torch.Tensor) -> Any:
             if not self._worth_it(t, kept):
                 return t
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.dtype,
-                   t._version)
-            packed = seen.get(key)
+            packed = seen.find(t)
             if packed is None:
-                packed = seen[key] = _Packed(self, t)
+                packed = seen.add(t, _Packed(self, t))
                 packs.append(packed)
             return packed
 

@@ -15,16 +15,17 @@ import torch
 from torch import nn
 
 from . import amp, batchnorm, microbatch, tied as tied_weights
-from .checkpoint import check_mode, checkpoint_stop, draw_step_seed
-from .frontdoor import FrontDoor, check_step_arguments
+from .checkpoint import checkpoint_stop, draw_step_seed
+from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
-                        check_flag, check_module, check_timeout, check_virtual_stages, check_workers,
+                        check_flag, check_materialised, check_module, check_timeout, check_virtual_stages, check_workers,
                         default_partitions, resolve_devices, split)
 from .runtime import stash
 from .runtime.stage import Stage
 from .skip import exchange as skip_exchange, layout as skip_layout
 from .runtime import adaptive, auto, graphs
 from .runtime.step import StepState
+from .runtime import vitals
 from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
 from .schedule import Schedule
@@ -88,10 +89,11 @@ class Pipe(FrontDoor):
                  cuda_graphs: bool = False) -> None:
         super().__init__()
         module = check_module(module)
+        check_materialised(module)
         self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
         self._chunks = 1 if self._auto_chunks else check_chunks(chunks)
         object.__setattr__(self, "chunk_search", None)  # chunks='auto': an adaptive.ChunkSearch
-        self._checkpoint = check_mode(checkpoint)
+        self._checkpoint = check_checkpoint(checkpoint)
         self._timeout = check_timeout(timeout)
         self._virtual = check_virtual_stages(virtual_stages)
         workers = check_workers(cpu_workers)
@@ -215,6 +217,7 @@ class Pipe(FrontDoor):
         if optimizer is not None and self._pipedream is None:
             stash.step_optimizer(optimizer, scaler)
         self._measured(total, start)
+        vitals.finish_step(self, step, total, start)
         return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
 
     def forward(self, inputs: Any) -> Any:

@@ -15,6 +15,10 @@ from .balance import solve
 
 Device = Union[str, int, torch.device]
 
+# The most micro-batches per batch: a schedule is built (and validated) for its count ahead of a
+# step, and past a few times the stage count more micro-batches only add per-action overhead.
+MAX_CHUNKS = 4096
+
 
 def check_module(module: object) -> nn.Sequential:
     """The module must be a non-empty ``nn.Sequential`` (the pipeline splits it by layers)."""
@@ -34,7 +38,24 @@ def check_chunks(chunks: object) -> int:
                         f"{chunks!r}")
     if chunks < 1:
         raise ValueError(f"chunks must be at least 1 (the number of micro-batches), got {chunks}")
+    if chunks > MAX_CHUNKS:
+        raise ValueError(f"chunks={chunks} is more than {MAX_CHUNKS} micro-batches per batch; "
+                         f"a pipeline gains nothing from micro-batches beyond a few times its "
+                         f"stage count (each one costs per-action overhead): use at most "
+                         f"{MAX_CHUNKS}, or 'auto' to let the pipe choose")
     return chunks
+
+
+def check_materialised(module: nn.Module) -> None:
+    """Every parameter and buffer holds real memory (``Pipe`` moves them to the stages)."""
+    meta = [name for name, t in [*module.named_parameters(), *module.named_buffers()]
+            if t.is_meta]
+    if meta:
+        raise ValueError(f"module has {len(meta)} parameters or buffers on the meta device (e.g. "
+                         f"{meta[0]!r}), which hold no values to place on the stages; build the "
+                         f"model on a real device, or materialise it first with "
+                         f"module.to_empty(device='cpu') and initialise it (DistributedPipe "
+                         f"materialises each rank's layers itself)")
 
 
 def check_flag(value: object, argument: str) -> bool:
@@ -119,6 +140,14 @@ def resolve_devices(devices: Optional[Sequence[Device]], partitions: int) -> Lis
     elif isinstance(devices, (str, int, torch.device)):
         raise TypeError(f"devices must be a list of devices, one per stage, got {devices!r}; "
                         f"e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']")
+    else:
+        devices = list(devices)
+        if partitions < len(devices):
+            raise ValueError(
+                f"devices lists {len(devices)} devices but the pipeline has {partitions} "
+                f"stages, so {len(devices) - partitions} would be left unused; list one device "
+                f"per stage (devices={devices[:partitions]!r}), or give balance= one layer "
+                f"count per device (the module needs at least as many layers as devices)")
     devices = list(devices)
     if partitions > len(devices):
         raise ValueError(

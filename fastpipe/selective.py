@@ -20,6 +20,7 @@ This module also holds the table of checkpoint modes that run a stage with a gra
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import defaultdict
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
@@ -152,6 +153,22 @@ def run_selective(stage: Any, inputs: Any, seed: int) -> Any:
     its generators itself (under fastpipe's RNG lock), so torch's unlocked RNG restore, which
     would race with stages running on other threads, stays off."""
     return selective_checkpoint(lambda x: stage.run(x, seed), inputs, preserve_rng_state=False)
+
+
+_prepared = threading.Event()
+
+
+def prepare() -> None:
+    """Run one tiny selective checkpoint, forward and backward, once per process: its first call
+    imports much of ``torch._dynamo`` (about a second, several with concurrent processes), which
+    a pipe then pays at construction instead of inside its first step's timeout."""
+    if _prepared.is_set():
+        return
+    x = torch.ones(2, requires_grad=True)
+    with torch.enable_grad():
+        out = selective_checkpoint(lambda v: torch.sin(v) * 2, x, preserve_rng_state=False)
+        out.sum().backward()
+    _prepared.set()
 
 
 # Checkpoint modes whose forward keeps an autograd graph (thinner than usual) instead of only

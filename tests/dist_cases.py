@@ -83,6 +83,31 @@ def transparency(schedules: List[List[Any]], batches: List[int], chunks: int = 4
     return {"worst": worst}
 
 
+def loss_checks() -> Dict:
+    """A float64 model's loss comes back as float64 on every rank, equal to the plain model's."""
+    plain = model().double()
+    x, y = data(10)
+    x, y = x.double(), y.double()
+    ref_loss, ref = reference_grads(plain, x, y)
+    pipe = DistributedPipe(model().double(), chunks=3, timeout=30)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
+    check_grads(pipe, ref, "float64")
+    return {"dtype": str(loss.dtype)}
+
+
+def detached_loss() -> Dict:
+    """A detached loss fails the step on every rank before any gradient is written (the last
+    rank raises LossFunctionError, the others stop)."""
+    fresh = DistributedPipe(model(), chunks=3, timeout=30)
+    try:
+        fresh.train_step(*data(10), lambda o, t: nn.functional.mse_loss(o, t).detach())
+        error = None
+    except Exception as caught:  # noqa: BLE001 - reported to the test
+        error = type(caught).__name__
+    return {"detached": error, "untouched": all(p.grad is None for p in fresh.parameters())}
+
+
 def data_parallel(schedule: str = "1f1b", steps: int = 2) -> Dict:
     """Pipeline 2 x data 2: gradients equal the plain model's on the global batch, over steps
     with an optimizer (so replicas must stay identical)."""
@@ -197,6 +222,58 @@ def failure(kind: str, failing_rank: int, timeout: float = 20.0, linger: float =
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+class _DieInBackward(torch.autograd.Function):
+    """Identity whose backward kills the process on the micro-batch of one sample."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if grad.shape[0] == 1:
+            os._exit(19)
+        return grad
+
+
+class DieInBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DieInBackward.apply(x)
+
+
+def blame(kind: str, failing_rank: int, schedule: str = "1f1b", timeout: float = 3.0) -> Dict:
+    """A rank never builds its pipe (``never``: it stalls past the others' timeout first;
+    ``never_exit``: it exits at once), or dies in the backward of the step's last micro-batch
+    (``die_in_backward``, after its peers have run all their actions): every surviving rank must
+    fail in that step, naming it, with its parameters and optimizer untouched."""
+    rank = dist.get_rank()
+    if rank == failing_rank and kind == "never":
+        time.sleep(timeout + 6.0)
+        return {"error": None, "built": False}
+    if rank == failing_rank and kind == "never_exit":
+        os._exit(23)
+    layers = list(model(depth=6))
+    per = len(layers) // dist.get_world_size()
+    dying = kind == "die_in_backward" and rank == failing_rank
+    layers.insert(failing_rank * per + 1, DieInBackward() if dying else nn.Identity())
+    balance = [per] * dist.get_world_size()
+    balance[failing_rank] += 1
+    balance[-1] += len(layers) - sum(balance)
+    pipe = DistributedPipe(nn.Sequential(*layers), chunks=4, schedule=schedule, balance=balance,
+                           timeout=timeout)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    x, y = data(7)  # micro-batches of 2, 2, 2, 1: the last one's backward is the rank's last
+    start = time.monotonic()
+    try:
+        loss = pipe.train_step(x, y, nn.functional.mse_loss, optimizer=optimizer)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return {"error": type(error).__name__, "message": str(error)[:1500],
+                "seconds": time.monotonic() - start,
+                "untouched": all(torch.equal(a, p) for a, p in zip(before, pipe.parameters()))}
+    return {"error": None, "loss": float(loss)}
+
+
 def bad_targets() -> Dict:
     """Targets with a batch size other than the inputs' fail on the last rank before any
     backward, and the first rank stops too."""
@@ -283,6 +360,22 @@ def traced(schedule: str = "1f1b", v: int = 1) -> Dict:
                  for s in range(dist.get_world_size())]
     return {"per_stage": per_stage, "bubble": timeline.bubble_fraction,
             "makespan": timeline.makespan}
+
+
+def doctored(path: str, wait: float = 0.2) -> Dict:
+    """A traced step that waited ``wait`` seconds for its input, written by the first rank to
+    ``path`` for ``python -m fastpipe doctor``; every rank's ``last_step``."""
+    pipe = DistributedPipe(model(), chunks=4, schedule="1f1b", timeout=30)
+    x, y = data(8)
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    with pipe.trace() as t:
+        time.sleep(wait)
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    if dist.get_rank() == 0:
+        t.write(path)
+    stats = pipe.last_step
+    return {"samples": stats.samples, "stages": stats.stages, "bubble": stats.bubble_fraction,
+            "rate": stats.samples_per_second}
 
 
 def pipedream(steps: int = 2) -> Dict:
@@ -542,9 +635,10 @@ def several(cases: List[List[Any]]) -> Dict:
     return {name: CASES[name](**args) for name, args in cases}
 
 
-CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure,
+CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
+                                 loss_checks, detached_loss,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
-                                 auto_chunks, auto_schedule, traced, pipedream,
+                                 auto_chunks, auto_schedule, traced, doctored, pipedream,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
                                  skip_connections, several)}

@@ -12,6 +12,9 @@ import sys
 
 import pytest
 import torch.distributed as dist
+from torch import nn
+
+import fastpipe
 
 from dist_launch import assert_all_ok, describe, launch
 
@@ -39,7 +42,9 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
         ["checkpoint_across_layouts", {}],
         ["skip_connections", {"schedules": [["1f1b", 1, "except_last"], ["zb-h1", 1, "never"],
                                             ["zbv", 2, "always"]]}],
+        ["loss_checks", {}],
     ]}))
+    assert all(r["loss_checks"]["dtype"] == "torch.float64" for r in results)
     keys = [r["meta_and_factories"] for r in results]
     assert keys[0]["meta"] == keys[0]["factories"]
     assert keys[0]["meta"][0] == "0.0.bias" and keys[1]["meta"][-1] == "7.weight"
@@ -112,6 +117,47 @@ def test_a_killed_rank_never_leaves_the_others_hanging():
     survivor = results[0].result
     assert survivor is not None and survivor["error"] is not None, describe(results)
     assert survivor["seconds"] < 10.0 and "rank 1" in survivor["message"]
+
+
+@pytest.mark.parametrize("kind", ["never", "never_exit"])
+def test_a_rank_that_never_builds_its_pipe_is_named_by_every_other_rank(kind):
+    results = launch("blame", 3, limit=120, args={"kind": kind, "failing_rank": 2})
+    for r in results[:2]:
+        assert r.result is not None and r.result["error"] is not None, describe(results)
+        assert "rank 2 never built its pipe" in r.result["message"], describe(results)
+        assert r.result["seconds"] < 10.0 and r.result["untouched"], describe(results)
+
+
+@pytest.mark.parametrize("world,failing,schedule", [(2, 0, "zb-h1"), (3, 1, "1f1b")])
+def test_a_rank_exiting_mid_step_fails_that_step_on_every_rank(world, failing, schedule):
+    """The dying rank's last backward comes after its peers ran all their actions: they must
+    still fail in this step (not return a loss, not step the optimizer), naming it."""
+    results = launch("blame", world, limit=120, args={
+        "kind": "die_in_backward", "failing_rank": failing, "schedule": schedule})
+    assert results[failing].returncode == 19, describe(results)
+    for r in results:
+        if r.rank == failing:
+            continue
+        assert r.result is not None and r.result["error"] is not None, describe(results)
+        message = r.result["message"]
+        assert f"rank {failing} stopped responding" in message or \
+            f"rank {failing} exited" in message, describe(results)
+        assert "during step 1" in message and r.result["untouched"], describe(results)
+        assert r.result["seconds"] < 10.0, describe(results)
+
+
+def test_a_detached_loss_fails_every_rank_before_any_gradient():
+    results = launch("detached_loss", 2, limit=120)
+    assert all(r.result is not None for r in results), describe(results)
+    assert [r.result["detached"] for r in results] == ["PipelineAborted", "LossFunctionError"]
+    assert all(r.result["untouched"] for r in results), describe(results)
+
+
+def test_without_a_process_group_the_error_is_typed_and_says_what_to_do():
+    if dist.is_initialized():
+        pytest.skip("this test process has a process group")
+    with pytest.raises(fastpipe.ProcessGroupError, match="init_process_group"):
+        fastpipe.DistributedPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
 
 
 def test_mismatched_targets_fail_before_any_backward_on_every_rank():

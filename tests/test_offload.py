@@ -215,3 +215,51 @@ def test_cuda_offload_exact_and_saves_memory(name):
 @pytest.mark.cuda
 def test_cuda_offload_stress_many_steps():
     assert_cuda_steps_exact("offload", width=512, steps=10)
+
+def test_a_new_tensor_at_a_freed_tensors_address_is_not_taken_for_it():
+    """Two storages over the same memory (as when the allocator hands a freed tensor's address
+    to the next one): the second is copied on its own, not mistaken for the first."""
+    w = torch.randn(1, 5, requires_grad=True)
+    memory = bytearray(20)
+    off = offload.StageOffloader(torch.device("cpu"))
+    first_values, second_values = torch.randn(1, 5), torch.randn(1, 5)
+
+    def over_memory(values):
+        memory[:] = values.numpy().tobytes()
+        return torch.frombuffer(memory, dtype=torch.float32).view(1, 5)
+
+    with off.saving(0, [w]):
+        first = over_memory(first_values)
+        out = (w * first).sum()  # mul saves `first`
+        del first
+        second = over_memory(second_values)  # same address, shape, dtype and version 0
+        out = out + (w * w * second).sum()
+    off.prefetch(0)
+    out.backward()
+    expected = first_values + 2 * w.detach() * second_values
+    torch.testing.assert_close(w.grad, expected, rtol=0, atol=0)
+
+
+def _norm_tanh_model(width=5, blocks=3):
+    return nn.Sequential(*[layer for _ in range(blocks)
+                           for layer in (nn.Linear(width, width), nn.LayerNorm(width), nn.Tanh())])
+
+
+def test_offload_exact_over_many_steps_and_allocation_patterns():
+    """Small saved tensors (a layer norm's per-row statistics) are freed and their addresses
+    reused within a forward; 50 steps with batches of changing sizes stay exact."""
+    model = _norm_tanh_model()
+    plain = copy.deepcopy(model)
+    pipe = fastpipe.Pipe(model, chunks=4, balance=[9], devices=["cpu"], checkpoint="offload")
+    generator = torch.Generator().manual_seed(3)
+    for step in range(50):
+        batch = 4 + step % 5
+        x = torch.randn(batch, 5, generator=generator)
+        y = torch.randn(batch, 5, generator=generator)
+        garbage = [torch.empty(int(n)) for n in torch.randint(1, 64, (step % 7,))]
+        expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+        pipe.zero_grad(set_to_none=True)
+        loss = pipe.train_step(x, y, nn.MSELoss())
+        del garbage
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-7)
+        assert_same_grads(grads_of(model), expected, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,8 @@
 """Bad arguments give typed errors naming the argument, before any work, leaving the model as it was."""
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,3 +115,85 @@ def test_automatic_balance_uses_every_layer():
     model = mlp(depth=6)
     pipe = fastpipe.Pipe(model, chunks=2, devices=["cpu"] * 3)
     assert sum(pipe.balance) == 6 and len(pipe.balance) == 3
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(chunks=10**6), ValueError, "chunks=1000000 is more than 4096"),
+    (dict(chunks=10**9), ValueError, "use at most 4096"),
+    (dict(balance=[3, 3], devices=["cpu"] * 3), ValueError,
+     "devices lists 3 devices but the pipeline has 2 stages"),
+    (dict(devices=["cpu"] * 7), ValueError, "devices lists 7 devices but the pipeline has 6"),
+])
+def test_constructor_errors_found_by_a_randomized_run(kwargs, error, match):
+    model = mlp()
+    before = snapshot(model)
+    with pytest.raises(error, match=match):
+        fastpipe.Pipe(model, **kwargs)
+    assert_untouched(model, before)
+
+
+def test_a_meta_model_is_a_clear_error():
+    with torch.device("meta"):
+        model = mlp()
+    with pytest.raises(ValueError, match=r"on the meta device.*to_empty"):
+        fastpipe.Pipe(model, chunks=2, balance=[3, 3], devices=["cpu"] * 2)
+
+
+def test_an_optimizer_class_instead_of_an_instance_is_refused_before_work():
+    model = mlp()
+    pipe = fastpipe.Pipe(model, chunks=2, balance=[3, 3], devices=["cpu"] * 2)
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=r"optimizer is the class torch.optim.sgd.SGD.*instance"):
+        pipe.train_step(torch.randn(8, 8), torch.randn(8, 4), nn.MSELoss(),
+                        optimizer=torch.optim.SGD)
+    assert_untouched(model, before)
+
+
+DETACHED = [("detached", lambda o, t: nn.functional.mse_loss(o, t).detach(), "without a gradient"),
+            ("integer", lambda o, t: (o - t).abs().sum().long(), "torch.int64"),
+            ("vector", lambda o, t: (o - t) ** 2, "0-dim tensor")]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always", "selective", "offload"])
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
+                                              ("interleaved", 2)])
+@pytest.mark.parametrize("kind,loss_fn,match", DETACHED, ids=[d[0] for d in DETACHED])
+def test_a_loss_without_a_graph_is_a_type_error_before_any_gradient(
+        kind, loss_fn, match, schedule, virtual, checkpoint):
+    model = mlp(depth=8)
+    pipe = fastpipe.Pipe(model, chunks=4, devices=["cpu"] * 2, schedule=schedule,
+                         virtual_stages=virtual, checkpoint=checkpoint)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=f"loss_fn .*{match}") as info:
+        pipe.train_step(torch.randn(10, 8), torch.randn(10, 4), loss_fn, optimizer=optimizer)
+    assert isinstance(info.value, fastpipe.LossFunctionError)
+    assert "micro-batch" in str(info.value)
+    assert_untouched(model, before)
+    assert optimizer.state_dict()["state"] == {}  # never stepped
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_a_loss_fn_failure_names_loss_fn_and_the_shapes():
+    pipe = fastpipe.Pipe(mlp(), chunks=2, balance=[3, 3], devices=["cpu"] * 2)
+    with pytest.raises(Exception, match=r"loss_fn\(output, targets\).*\(4, 4\).*\(4, 5\)"):
+        pipe.train_step(torch.randn(8, 8), torch.randn(8, 5), nn.functional.mse_loss)
+
+
+def test_selective_checkpointing_pays_its_imports_at_construction():
+    """The first step of a selective pipe imports nothing new (torch._dynamo was loaded by the
+    constructor), so a short timeout measures the step alone."""
+    code = (
+        "import sys, torch, fastpipe\n"
+        "from torch import nn\n"
+        "model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))\n"
+        "pipe = fastpipe.Pipe(model, chunks=2, devices=['cpu'], checkpoint='selective')\n"
+        "before = set(sys.modules)\n"
+        "pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)\n"
+        "print(sorted(m for m in set(sys.modules) - before if 'dynamo' in m))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -14,7 +14,7 @@ from fastpipe.runtime.lowering import lowering, skip_links
 from fastpipe.runtime.message import TENSOR as _TENSOR, Message, flatten as _flatten
 from fastpipe.runtime.p2p import Channels, from_meta, to_meta
 from fastpipe.runtime.hop import Parcel
-from fastpipe.runtime.wire import ALIGN, Header, Meta, layouts_of, pack, payload_size, unpack
+from fastpipe.runtime.wire import ALIGN, HEADER_LEN, Header, Meta, layouts_of, pack, payload_size, unpack
 from fastpipe.schedule import CommKind, get_schedule
 from fastpipe.skip.layout import StageSkips
 
@@ -24,7 +24,14 @@ def test_header_round_trips_and_rejects_garbage():
     assert Header.decode(header.encode()) == header
     assert math.isnan(Header.decode(Header(0, 0, 0, 1, 1, 0, 0, 0).encode()).loss)
     with pytest.raises(ValueError, match="corrupt pipeline message header"):
-        Header.decode(torch.zeros(10, dtype=torch.int64))
+        Header.decode(torch.zeros(HEADER_LEN, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_header_carries_the_loss_in_its_dtype(dtype):
+    header = Header(1, 0, 0, 2, 4, 0, 0, 1, loss=1 / 3, loss_dtype=dtype)
+    decoded = Header.decode(header.encode())
+    assert decoded.loss == 1 / 3 and decoded.loss_dtype == dtype
 
 
 @pytest.mark.parametrize("tensors", [

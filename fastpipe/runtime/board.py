@@ -8,11 +8,12 @@ rank that dies without writing (killed) is caught by its peers' receive errors o
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..errors import PipelineAborted, PipelineTimeout
+from ..errors import PeerLost, PipelineAborted, PipelineError, PipelineTimeout
+from .liveness import Liveness
 
 CHECK_EVERY = 0.2  # seconds between looks at the board while waiting
 
@@ -20,14 +21,17 @@ CHECK_EVERY = 0.2  # seconds between looks at the board while waiting
 class Board:
     """The abort notice of one distributed pipe, shared by all of its ranks."""
 
-    def __init__(self, name: str, rank: int, store: Optional[Any] = None) -> None:
+    def __init__(self, name: str, rank: int, store: Optional[Any] = None,
+                 ranks: Sequence[int] = ()) -> None:
         self.key = f"fastpipe/{name}/abort"
         self.rank = rank
         self.store = store if store is not None else _default_store()
         self._seen: Optional[str] = None
+        self.liveness = Liveness(name, rank, ranks, self.store)
 
     def publish(self, reason: str) -> None:
         """Post the first failure of this pipe (later ones are dropped); never raises."""
+        self.liveness.failed()
         if self.store is None:
             return
         try:
@@ -54,6 +58,37 @@ class Board:
         if reason is not None:
             raise PipelineAborted(f"rank {self.rank} stopped because {reason}")
 
+    def blame(self, timeout: PipelineTimeout, waited_on: Optional[int] = None) -> PipelineTimeout:
+        """``timeout`` with the rank holding the pipeline up named (from the ranks' liveness
+        records), which this rank then posts for the others."""
+        culprit = self.liveness.culprit(waited_on)
+        reason = self.read()  # another rank may have found and posted it meanwhile
+        if reason is not None:
+            culprit = reason
+        if culprit is not None:
+            timeout = PipelineTimeout(f"{timeout}; {culprit}", stage=timeout.stage,
+                                      action=timeout.action, microbatch=timeout.microbatch,
+                                      rank=timeout.rank)
+            timeout.culprit = culprit  # type: ignore[attr-defined]
+        return timeout
+
+    def lost(self, what: str, error: BaseException,
+             waited_on: Optional[int] = None) -> PipelineError:
+        """The error for a communication that failed (a peer's connection closed, say): a
+        ``PeerLost`` naming the rank that exited, froze or never started when the liveness
+        records show one, else a ``PipelineError`` quoting the transport's error."""
+        reason = self.read()
+        if reason is not None:
+            return PipelineAborted(f"rank {self.rank} stopped {what} because {reason}")
+        culprit = self.liveness.culprit(waited_on)
+        reason = self.read()  # another rank may have found and posted it meanwhile
+        if reason is not None:
+            return PipelineAborted(f"rank {self.rank} stopped {what} because {reason}")
+        if culprit is not None:
+            return PeerLost(f"rank {self.rank} stopped {what} because {culprit}",
+                            culprit=culprit)
+        return PipelineError(f"rank {self.rank} failed {what}: {error}")
+
 
 def _default_store() -> Optional[Any]:
     try:
@@ -76,10 +111,14 @@ def wait_work(work: Optional[Any], timeout: float, what: str, board: Board,
             board.check()
             next_check = now + CHECK_EVERY
         if now >= deadline:
-            raise PipelineTimeout(f"rank {board.rank} timed out after {timeout:g}s waiting for "
-                                  f"{what}; the peer rank is stuck, dead or much slower: raise "
-                                  f"timeout=... if that is expected", rank=board.rank)
+            raise board.blame(PipelineTimeout(
+                f"rank {board.rank} timed out after {timeout:g}s waiting for {what}; the peer "
+                f"rank is stuck, dead or much slower: raise timeout=... if that is expected",
+                rank=board.rank))
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)
     if work is not None:
-        work.wait()  # completed: returns at once, or raises the work's own error
+        try:
+            work.wait()  # completed: returns at once, or raises the work's own error
+        except RuntimeError as error:
+            raise board.lost(f"waiting for {what}", error) from error

@@ -12,24 +12,25 @@ names this rank.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
+from ..errors import PeerLost, PipelineAborted, PipelineError, PipelineTimeout, StageFailure
 from ..schedule import Action, ActionKind, Schedule, SkipLink
-from .board import CHECK_EVERY, Board
+from .board import CHECK_EVERY, Board, wait_work
 from .executor import LocalExecutor, Rows
 from .lowering import Route, is_ready, lowering
 from .mailbox import Mailbox
 from .p2p import (Channels, Inbox, Outbox, PeerFailed, PeerPayloads, SendLog, StepInfo,
-                  Transport, send_failure)
+                  Transport, TransportError, send_failure)
 from .step import StepState
 from .wire import Header
 
@@ -83,6 +84,7 @@ class DistributedExecutor(LocalExecutor):
         here, and return its header (it carries the micro-batch count and batch size)."""
         inbox = self.inbox(src_rank)
         inbox.begin(None)
+        self._doing(f"waiting for the first message of the step from rank {src_rank}")
         return self._receive(step, inbox, f"the first message of the step from rank {src_rank}",
                              time.monotonic() + step.timeout)
 
@@ -94,14 +96,23 @@ class DistributedExecutor(LocalExecutor):
         lowered = lowering(schedule, rows, self.skips)
         counts = Counter(owner[v] for v in lowered.sources(self.topology.stage)
                          if owner[v] != rank)
-        for inbox in self._inboxes.values():
-            if inbox.src_rank != learned_from:
-                inbox.begin(0)
-        for src_rank, count in counts.items():
-            if src_rank == learned_from:
-                self.inbox(src_rank).expect(count - 1)
-            else:
-                self.inbox(src_rank).begin(count)
+        with self.peers_named("posting the step's receives"):
+            for inbox in self._inboxes.values():
+                if inbox.src_rank != learned_from:
+                    inbox.begin(0)
+            for src_rank, count in counts.items():
+                if src_rank == learned_from:
+                    self.inbox(src_rank).expect(count - 1)
+                else:
+                    self.inbox(src_rank).begin(count)
+
+    @contextlib.contextmanager
+    def peers_named(self, doing: str) -> Iterator[None]:
+        """Turn a failed send or receive into an error naming the rank responsible."""
+        try:
+            yield
+        except TransportError as error:
+            raise self.board.lost(doing, error.__cause__ or error, error.peer) from None
 
     @staticmethod
     def _where(action: Action) -> Dict[str, Any]:
@@ -112,30 +123,25 @@ class DistributedExecutor(LocalExecutor):
         """One message from ``inbox``, with errors that name this rank, the peer and ``what``
         this rank waited for."""
         remaining = deadline - time.monotonic()
+        where = self._where(action) if action is not None else {}
         if remaining <= 0:
-            raise PipelineTimeout(f"rank {self.topology.rank} timed out after {step.timeout:g}s "
-                                  f"waiting for {what}; rank {inbox.src_rank} is stuck or slow: "
-                                  f"raise timeout=... if stages are this slow",
-                                  rank=self.topology.rank,
-                                  **(self._where(action) if action is not None else {}))
+            raise self.board.blame(PipelineTimeout(
+                f"rank {self.topology.rank} timed out after {step.timeout:g}s waiting for {what} "
+                f"from rank {inbox.src_rank}: raise timeout=... if stages are this slow",
+                rank=self.topology.rank, **where), inbox.src_rank)
         try:
             return inbox.receive_one(step.mailboxes, remaining)
         except PeerFailed as failure:
             raise PipelineAborted(f"rank {self.topology.rank} stopped waiting for {what} "
                                   f"because {failure}") from None
         except RuntimeError as error:
-            cause = self.board.read()
-            if cause is not None:
-                raise PipelineAborted(f"rank {self.topology.rank} stopped waiting for {what} "
-                                      f"because {cause}") from None
-            if "timed out" in str(error).lower():
-                raise PipelineTimeout(
+            if "timed out" in str(error).lower() and self.board.read() is None:
+                raise self.board.blame(PipelineTimeout(
                     f"rank {self.topology.rank} timed out after {step.timeout:g}s waiting for "
-                    f"{what} from rank {inbox.src_rank}, which is stuck or slow: raise "
-                    f"timeout=... if stages are this slow", rank=self.topology.rank,
-                    **(self._where(action) if action is not None else {})) from error
-            raise PipelineError(f"rank {self.topology.rank} could not receive {what} from rank "
-                                f"{inbox.src_rank}: {error}") from error
+                    f"{what} from rank {inbox.src_rank}: raise timeout=... if stages are this "
+                    f"slow", rank=self.topology.rank, **where), inbox.src_rank) from error
+            raise self.board.lost(f"waiting for {what} from rank {inbox.src_rank}", error,
+                                  inbox.src_rank) from None
 
     def _sleep(self, step: StepState, group: List[int], rows: Rows, cursors: Dict[int, int],
                bell: threading.Condition, deadline: float) -> None:
@@ -144,6 +150,7 @@ class DistributedExecutor(LocalExecutor):
         s = group[0]
         action, route = rows[s][cursors[s]]
         what = f"the input of action {action} (micro-batch {action.microbatch})"
+        self._doing(f"waiting for {what}")
         while not is_ready(step, route):
             if step.abort.reason is not None:
                 raise PipelineAborted(f"stage {action.stage} stopped waiting for {what} because "
@@ -180,15 +187,38 @@ class DistributedExecutor(LocalExecutor):
         step.abort.register(bell)
         self._bell = bell
 
+    def _doing(self, what: str) -> None:
+        """Tell the liveness record what this rank is doing in the current step."""
+        liveness = self.board.liveness
+        liveness.at(liveness.step, what)
+
     def run(self, programs: Sequence[Sequence[Action]], step: StepState,
             schedule: Schedule) -> None:
-        """Run this rank's program; wait for its sends; every error names the rank."""
+        """Run this rank's program; wait for its sends; every error names the rank. A failure
+        caused by another rank (one that exited, froze or never started) is posted naming it."""
         try:
-            super().run(programs, step, schedule)
-            self._flush_sends(step.timeout)
+            with self.peers_named("running the step"):
+                super().run(programs, step, schedule)
+                self._flush_sends(step.timeout)
+            self._doing("finished its actions")
         except PipelineError as error:
-            self.fail(f"rank {self.topology.rank} (stage {self.topology.stage}) failed: {error}")
+            culprit = getattr(error, "culprit", None)
+            self.fail(culprit or f"rank {self.topology.rank} (stage {self.topology.stage}) "
+                                 f"failed: {error}")
             raise _with_rank(error, self.topology.rank) from error.__cause__
+
+    def confirm_step(self, timeout: float) -> None:
+        """Return once every rank of the pipeline has finished its part of the step (a
+        one-element all-reduce); raise naming the rank that exited or failed during it, so that
+        no rank keeps a step, or steps an optimizer, that another rank did not complete."""
+        self._doing("waiting for the other ranks to finish the step")
+        flag = torch.ones(1, device=self.topology.device)
+        try:
+            work = dist.all_reduce(flag, group=self.topology.group, async_op=True)
+        except RuntimeError as error:
+            raise self.board.lost("confirming the step", error) from None
+        wait_work(work, timeout, "every rank of the pipeline to finish the step", self.board)
+        self._doing("between steps")
 
     def _check_programs(self, programs: Sequence[Sequence[Action]]) -> None:
         if self.topology.stage >= len(programs):
@@ -210,6 +240,7 @@ class DistributedExecutor(LocalExecutor):
         return self.board.read()
 
     def _run_action(self, step: StepState, worker: int, stage: Any, action: Action) -> None:
+        self._doing(f"running action {action} (micro-batch {action.microbatch})")
         super()._run_action(step, worker, stage, action)
         if self.after_action is not None:
             self.after_action(step, stage, action)
@@ -222,8 +253,8 @@ class DistributedExecutor(LocalExecutor):
             try:  # gloo reports a send's completion only through wait()
                 work.wait(datetime.timedelta(seconds=timeout))
             except RuntimeError as error:
-                raise PipelineError(f"rank {self.topology.rank}: the send of the {what} did not "
-                                    f"complete within {timeout:g}s: {error}") from error
+                raise self.board.lost(f"sending the {what} (within {timeout:g}s)",
+                                      error) from None
 
     def fail(self, reason: str) -> None:
         """Tell every rank: post ``reason`` on the board, and send a failure notice to every
@@ -247,9 +278,13 @@ def _with_rank(error: PipelineError, rank: int) -> PipelineError:
     elif isinstance(error, StageFailure):
         new = StageFailure(message, stage=error.stage, action=error.action,
                            microbatch=error.microbatch)
+    elif isinstance(error, PeerLost):
+        new = PeerLost(message, culprit=error.culprit)
     else:
         new = type(error)(message)
     new.rank = rank  # type: ignore[attr-defined]
+    if getattr(error, "culprit", None) is not None:
+        new.culprit = error.culprit  # type: ignore[attr-defined]
     return new
 
 

@@ -18,8 +18,10 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import PipelineAborted, PipelineError, PipelineTimeout, StageFailure
+from ..errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
+                      StageFailure, describe)
 from ..schedule import Action, ActionKind, Schedule, SkipLink
+from .labels import action_range
 from .lowering import Route, is_ready, lowering, skip_links
 from .mailbox import Mailbox
 from .stage import Stage
@@ -158,20 +160,19 @@ class LocalExecutor:
         step.progress[action.stage] = ("running", action)
         start = time.perf_counter()
         try:
-            with stage.context():
+            with stage.context(), action_range(stage, action):
                 token = step.recorder.begin(stage) if step.recorder else None
                 (step.handlers or self.handlers)[action.kind](step, stage, action)
             if step.recorder:
                 step.recorder.end(stage, action, token)
-        except PipelineError as error:
+        except (PipelineError, LossFunctionError) as error:
             step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
             raise
         except BaseException as error:
-            step.abort.trip(f"stage {action.stage} failed in action {action}: "
-                            f"{type(error).__name__}: {error}")
+            step.abort.trip(f"stage {action.stage} failed in action {action}: {describe(error)}")
             raise StageFailure(
                 f"stage {action.stage} failed in action {action} (micro-batch "
-                f"{action.microbatch}): {type(error).__name__}: {error}",
+                f"{action.microbatch}): {describe(error)}",
                 stage=action.stage, action=str(action), microbatch=action.microbatch) from error
         step.progress[action.stage] = ("finished", action)
         step.busy[worker] += time.perf_counter() - start

@@ -20,18 +20,36 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..errors import PipelineError
 from ..schedule import Comm, CommKind, Payload, SkipLink
 from ..schedule.lower import comm_from
 from .hop import Parcel
 from .lowering import carries_loss
 from .mailbox import Mailbox
 from .message import BARE, TENSOR, Message
-from .wire import HEADER_LEN, Header, Meta, layouts_of, pack, unpack
+from .wire import HEADER_LEN, LOSS_DTYPES, Header, Meta, layouts_of, pack, unpack
 
 # fastpipe's tags, apart from a user's own small ones: headers, metadata, payloads. Each is a
 # first-in first-out stream per pair of ranks (gloo matches receives to sends by tag, in order).
 HEADER_TAG, META_TAG, PAYLOAD_TAG = 0x3F00, 0x3F01, 0x3F02
 Channel = Tuple[Payload, Optional[SkipLink]]  # what travels, and on which skip connection
+
+
+class TransportError(PipelineError):
+    """Posting a send or a receive to ``peer`` failed in ``torch.distributed`` (its connection
+    closed, say); the executor names the rank responsible from the liveness records."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+def _posted(call: Any, peer: int, what: str) -> Any:
+    """``call()`` (a ``dist.isend``/``irecv``), its errors raised as ``TransportError``."""
+    try:
+        return call()
+    except RuntimeError as error:
+        raise TransportError(f"{what} with rank {peer} failed: {error}", peer) from error
 
 
 class Channels:
@@ -98,9 +116,13 @@ class StepInfo:
     batch_size: int = 0
     losses: Dict[int, Any] = field(default_factory=dict)  # micro-batch -> 0-dim tensor
 
-    def loss(self, microbatch: int) -> float:
+    def loss(self, microbatch: int) -> Tuple[float, torch.dtype]:
+        """The micro-batch's loss as a number and its dtype (NaN when not known here)."""
         value = self.losses.get(microbatch)
-        return math.nan if value is None else float(value)
+        if value is None:
+            return math.nan, torch.float32
+        dtype = value.dtype if value.dtype in LOSS_DTYPES else torch.float32
+        return float(value), dtype
 
 
 @dataclass
@@ -146,11 +168,13 @@ class Outbox:
         new_meta = self._sent_meta.get(kind) != meta
         meta_data = meta.encode().to(self.device) if new_meta else None
         payload = pack(tensors)
+        loss, loss_dtype = (self.info.loss(mb) if carries_loss(key)
+                            else (math.nan, torch.float32))
         header = Header(kind, mb, self.virtual_stage,
                         self.info.num_microbatches, self.info.batch_size,
                         0 if meta_data is None else meta_data.numel(),
                         0 if payload is None else payload.numel() * payload.element_size(),
-                        self.info.step, self.info.loss(mb) if carries_loss(key) else math.nan)
+                        self.info.step, loss, loss_dtype)
         what = (f"{self.channels.name(kind)} of micro-batch {mb} to stage {self.virtual_stage} "
                 f"on rank {self.rank}")
         self._isend(header.encode().to(self.device), HEADER_TAG, what)
@@ -166,7 +190,8 @@ class Outbox:
             self._sent_meta[kind] = meta
 
     def _isend(self, part: torch.Tensor, tag: int, what: str) -> None:
-        work = dist.isend(part, self.rank, group=self.transport.group, tag=tag)
+        work = _posted(lambda: dist.isend(part, self.rank, group=self.transport.group, tag=tag),
+                       self.rank, f"sending the {what}")
         self.log.add(work, [part], what)
 
     def has(self, key: Any) -> bool:  # pragma: no cover - remote stages are never polled
@@ -231,7 +256,8 @@ class Inbox:
                              f"all ranks build the same model (same skip connections, stages)?")
         key, message = self._message(header, early, timeout)
         if carries_loss(key) and not math.isnan(header.loss):
-            self.info.losses.setdefault(header.microbatch, torch.tensor(header.loss))
+            self.info.losses.setdefault(header.microbatch,
+                                        torch.tensor(header.loss, dtype=header.loss_dtype))
         if self.remaining is not None:
             self.remaining -= 1
             if self.remaining > 0:
@@ -250,7 +276,8 @@ class Inbox:
         self._posted = (work, buffer, early)
 
     def _post(self, buffer: torch.Tensor, tag: int) -> Any:
-        return dist.irecv(buffer, self.src_rank, group=self.transport.group, tag=tag)
+        return _posted(lambda: dist.irecv(buffer, self.src_rank, group=self.transport.group,
+                                          tag=tag), self.src_rank, "posting a receive")
 
     def _recv(self, buffer: torch.Tensor, tag: int, timeout: float) -> None:
         self._post(buffer, tag).wait(datetime.timedelta(seconds=timeout))

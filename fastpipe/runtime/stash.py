@@ -194,6 +194,10 @@ class PipeDream:
 def check_optimizer_argument(optimizer: Any, asynchronous: bool, scaler: Any) -> None:
     """``train_step(optimizer=...)``: an optimizer or ``None``; required by PipeDream, which
     cannot take a loss scaler (its updates happen inside the step)."""
+    if isinstance(optimizer, type):
+        raise TypeError(f"optimizer is the class {optimizer.__module__}.{optimizer.__name__}, "
+                        f"not an optimizer; pass an instance, e.g. optimizer="
+                        f"{optimizer.__name__}(pipe.parameters(), lr=0.01)")
     if optimizer is not None and not callable(getattr(optimizer, "step", None)):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None), got {optimizer!r}")
     if asynchronous and optimizer is None:

@@ -18,6 +18,7 @@ from ..amp import autocast_regions, autocast_state, scale_loss
 from ..checkpoint import (backward_pairs, checkpointing, grad_pairs, microbatch_seed,
                           recomputing)
 from .. import offload
+from ..errors import LossFunctionError
 from ..selective import run_stage
 from ..schedule import Action, ActionKind
 from .hop import land, ship
@@ -119,11 +120,40 @@ class Held:
 
 
 def _loss(step: StepState, stage: Stage, mb: int, output: Any) -> torch.Tensor:
-    loss = step.loss_fn(output, unflatten(*_moved(step.targets[mb], stage.device)))
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"loss_fn must return a 0-dim tensor, got {type(loss).__name__} "
-                        f"{tuple(getattr(loss, 'shape', ()))}; reduce the loss to a scalar")
+    targets = unflatten(*_moved(step.targets[mb], stage.device))
+    try:
+        loss = step.loss_fn(output, targets)
+    except Exception as error:
+        error.add_note(f"raised by loss_fn(output, targets) on micro-batch {mb}, with output "
+                       f"{_shapes(output)} and targets {_shapes(targets)}: check that the "
+                       f"targets match the model's output")
+        raise
+    check_loss(loss, mb)
     return loss * step.loss_weights[mb]
+
+
+def check_loss(loss: Any, mb: int) -> None:
+    """A loss a backward can start from: a floating-point scalar that, while autograd records,
+    has a gradient graph (plain PyTorch's ``backward`` refuses the others too)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise LossFunctionError(f"loss_fn must return a 0-dim tensor, got "
+                                f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))} for "
+                                f"micro-batch {mb}; reduce the loss to a scalar")
+    if not (loss.is_floating_point() or loss.is_complex()):
+        raise LossFunctionError(f"loss_fn returned a {loss.dtype} tensor for micro-batch {mb}; "
+                                f"a loss must be floating-point to have gradients")
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise LossFunctionError(f"loss_fn returned a loss without a gradient graph for "
+                                f"micro-batch {mb} (detached, computed under torch.no_grad(), "
+                                f"or rebuilt from a number?); return the tensor computed from "
+                                f"the output, or make sure some parameter requires grad")
+
+
+def _shapes(value: Any) -> str:
+    """The shapes of a value's tensors, for error messages."""
+    leaves = [x for x in flatten(value)[0] if isinstance(x, torch.Tensor)]
+    shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" for x in leaves[:4])
+    return f"[{shapes}{', ...' if len(leaves) > 4 else ''}]"
 
 
 def _backprop_roots(step: StepState, stage: Stage, mb: int, output: Any) -> List[torch.Tensor]:

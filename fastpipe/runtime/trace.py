@@ -7,14 +7,18 @@ placed on the same clock through an event recorded when the step began. The resu
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ..doctor_io import StepContext, merge_chrome_traces
 from ..errors import PipelineTimeout
 from ..schedule import Action
+from ..schedule.render import chrome_trace
 from ..schedule.timeline import Timeline
 
 
@@ -84,10 +88,30 @@ def wait_for_event(event: Any, timeout: float, what: str, **where: Any) -> None:
 
 
 class Trace:
-    """What ``with pipe.trace() as t:`` gives: the measured timeline of every step inside."""
+    """What ``with pipe.trace() as t:`` gives: the measured timeline of every step inside, and
+    for each training step its context (when it began waiting for input, when it returned, its
+    layout), which ``fastpipe.doctor(t)`` and :meth:`write` use."""
 
     def __init__(self) -> None:
         self.timelines: List[Timeline] = []
+        self.contexts: Dict[int, StepContext] = {}  # timeline index -> its training step's
+        self.opened = time.perf_counter()  # the block's start: the first step's input wait
+        self.last_end: Optional[float] = None  # when the last training step returned
+
+    def write(self, path: Union[str, "os.PathLike[str]"], step: int = -1,
+              merge_with: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
+        """Write the ``step``-th step (default: the last) as Chrome/Perfetto trace JSON, with
+        its context, for ui.perfetto.dev and ``python -m fastpipe doctor``. ``merge_with``: a
+        ``torch.profiler`` Chrome trace of the same step to write into the same file."""
+        timeline = self.timelines[step] if self.timelines else self.timeline
+        context = self.contexts.get(range(len(self.timelines))[step])
+        data = chrome_trace(timeline, meta=None if context is None else {
+            "num_stages": timeline.num_stages, **context.to_dict()})
+        if merge_with is not None:
+            with open(merge_with, encoding="utf-8") as file:
+                data = merge_chrome_traces(data, json.load(file))
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(data, file)
 
     @property
     def timeline(self) -> Timeline:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from .ir import ActionKind
 from .timeline import Event, Timeline
@@ -79,12 +79,13 @@ def _label(event: Event, room: int) -> str:
 # -- Chrome / Perfetto trace ----------------------------------------------------------------
 
 
-def chrome_trace(timeline: Timeline) -> dict[str, Any]:
+def chrome_trace(timeline: Timeline, meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The timeline as Chrome/Perfetto trace JSON: one lane (``tid``) per physical stage
     of process 0, one complete (``"X"``) event per action, times in µs from the first start.
 
     Seconds and other SI units convert exactly; abstract simulator units map
-    1 unit to 1000 µs (see :data:`MICROSECONDS_PER_UNIT`).
+    1 unit to 1000 µs (see :data:`MICROSECONDS_PER_UNIT`). ``meta`` (JSON-able, e.g. the
+    step's context for the doctor) goes to ``otherData.fastpipe``.
     """
     scale = MICROSECONDS_PER_UNIT.get(timeline.unit, _DEFAULT_US_PER_UNIT)
     events = _trace_metadata(timeline)
@@ -99,15 +100,18 @@ def chrome_trace(timeline: Timeline) -> dict[str, Any]:
             "tid": event.stage,
             "args": _trace_args(event, timeline.unit),
         })
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"source": timeline.source, "unit": timeline.unit,
-                          "microseconds_per_unit": scale}}
+    other: dict[str, Any] = {"source": timeline.source, "unit": timeline.unit,
+                             "microseconds_per_unit": scale}
+    if meta is not None:
+        other["fastpipe"] = dict(meta)
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
-def write_chrome_trace(timeline: Timeline, path: str | os.PathLike[str]) -> None:
+def write_chrome_trace(timeline: Timeline, path: str | os.PathLike[str],
+                       meta: Mapping[str, Any] | None = None) -> None:
     """Write :func:`chrome_trace` to ``path`` (open it in ui.perfetto.dev or chrome://tracing)."""
     with open(path, "w", encoding="utf-8") as file:
-        json.dump(chrome_trace(timeline), file)
+        json.dump(chrome_trace(timeline, meta), file)
 
 
 def _trace_metadata(timeline: Timeline) -> list[dict[str, Any]]:

@@ -1,0 +1,151 @@
+"""``pipe.last_step``: the last training step's figures, measured without tracing, and the
+step context the doctor needs when the step is traced.
+
+Both front doors call :func:`finish_step` once at the end of every training step. It keeps the
+step's samples/s, wall time and measured bubble share (from the seconds each worker spent in
+actions, which the executor counts anyway), and, inside ``pipe.trace()``, records the step's
+:class:`~fastpipe.doctor_io.StepContext`: when it began waiting for its input, when it returned,
+its schedule, balance and batch size. Under a profiler that records only the calling thread, it
+warns that the stage workers' ranges are missing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ..doctor_io import StepContext
+from ..placement import worker_groups
+from . import labels
+from .step import StepState
+
+__all__ = ["StepStats", "finish_step"]
+
+_REMOTE = "on another rank"  # a stage another process runs (see dist_executor)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One training step: ``samples`` in ``step_time`` seconds (the ``train_step`` call, on the
+    host), with ``busy`` seconds of actions on the ``stages`` physical stages this process runs
+    (all of a ``Pipe``, one of a ``DistributedPipe`` rank): from the executor's count, or from
+    the trace when the step was traced (device time on GPUs); ``None`` for CUDA stages not
+    traced, whose actions the host only launches."""
+
+    samples: int
+    step_time: float
+    busy: Optional[float]
+    stages: int
+
+    @property
+    def samples_per_second(self) -> float:
+        """Throughput of the step."""
+        return self.samples / self.step_time if self.step_time > 0 else float("inf")
+
+    @property
+    def bubble_fraction(self) -> Optional[float]:
+        """Share of stage-time not spent in actions during the step, ``1 - busy / (stages x
+        step_time)`` (waiting, and the step's own bookkeeping); ``None`` on untraced CUDA
+        stages, whose actions the host only launches."""
+        if self.busy is None or self.step_time <= 0:
+            return None
+        return max(0.0, 1.0 - self.busy / (self.stages * self.step_time))
+
+    @property
+    def summary(self) -> str:
+        """``'2640.3 samples/s, bubble 23.4%'``."""
+        bubble = self.bubble_fraction
+        shown = "n/a" if bubble is None else f"{bubble:.1%}"
+        return f"{self.samples_per_second:.1f} samples/s, bubble {shown}"
+
+    def __str__(self) -> str:
+        return f"{self.samples} samples in {self.step_time * 1e3:.1f} ms: {self.summary}"
+
+
+def finish_step(door: Any, step: StepState, samples: int, started: float) -> None:
+    """Record a finished training step of ``door`` (a ``Pipe`` or ``DistributedPipe``) that
+    began at ``started`` (``time.perf_counter()``) and ran ``samples`` samples."""
+    now = time.perf_counter()
+    labels.warn_if_workers_unseen()
+    trace = getattr(door, "_trace", None)
+    timeline = trace.timelines[-1] if trace is not None and trace.timelines else None
+    stats = StepStats(samples, now - started, _busy(step, timeline), _local_stages(step))
+    object.__setattr__(door, "_last_step", stats)
+    if timeline is not None and step.recorder is not None:
+        offset = _offset(step, timeline)
+        began = trace.last_end if trace.last_end is not None else trace.opened
+        trace.contexts[len(trace.timelines) - 1] = StepContext(
+            step_start=began - step.recorder.origin + offset,
+            step_called=started - step.recorder.origin + offset,
+            step_end=now - step.recorder.origin + offset,
+            action_overhead=_action_overhead(step), threads=_threads(door, step),
+            **_cuda_memory(door, step),
+            schedule=door.schedule, virtual_stages=door.virtual_stages,
+            balance=tuple(door.balance), samples=samples, checkpoint=door.checkpoint)
+        trace.last_end = now
+
+
+CPU_ACTION_OVERHEAD = 20e-6
+"""Seconds an action costs on a CPU stage beyond its layers' work (handler, mailbox, autograd
+set-up): the median F of a one-weight stage, measured by ``benchmarks/doctor_overhead.py``. The
+doctor adds it to the gaps it sees between actions when it predicts other micro-batch counts."""
+
+
+def _action_overhead(step: StepState) -> Optional[float]:
+    """The fixed cost per action the doctor should assume (known for CPU stages only)."""
+    if any(getattr(stage, "stream", None) is not None for stage in step.stages):
+        return None
+    return CPU_ACTION_OVERHEAD
+
+
+def _threads(door: Any, step: StepState) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    """The stages each worker thread of a ``Pipe`` ran this step (one per GPU stage, the CPU
+    stages in as many groups as the step had CPU workers); ``None`` for other front doors."""
+    devices = getattr(door, "devices", None)
+    if not isinstance(devices, tuple) or len(devices) != _local_stages(step):
+        return None
+    gpu = sum(1 for d in devices if d.type != "cpu")
+    groups = worker_groups(devices, max(1, len(step.busy) - gpu))
+    return tuple(tuple(group) for group in groups)
+
+
+def _cuda_memory(door: Any, step: StepState) -> Dict[str, Tuple[float, ...]]:
+    """Per stage of a ``Pipe`` whose stages are all on GPUs, the peak bytes allocated on its
+    device (since the last reset) and the device's capacity; nothing otherwise."""
+    devices = getattr(door, "devices", None)
+    if not isinstance(devices, tuple) or len(devices) != _local_stages(step) or not all(
+            d.type == "cuda" for d in devices):
+        return {}
+    return {"memory_peak": tuple(float(torch.cuda.max_memory_allocated(d)) for d in devices),
+            "memory_limit": tuple(float(torch.cuda.get_device_properties(d).total_memory)
+                                  for d in devices)}
+
+
+def _local_stages(step: StepState) -> int:
+    return max(1, sum(1 for state, _ in step.progress if state != _REMOTE))
+
+
+def _busy(step: StepState, timeline: Any) -> Optional[float]:
+    """Seconds of actions on this process's stages: from the trace when there is one (device
+    time on GPUs), else the executor's count (host time: no figure for CUDA stages)."""
+    if timeline is not None and step.recorder is not None:
+        mine = {stage for stage, *_ in step.recorder.intervals} | {
+            stage for stage, *_ in step.recorder.pending}
+        return sum(timeline.busy[s] for s in mine) if mine else None
+    if any(getattr(stage, "stream", None) is not None for stage in step.stages):
+        return None
+    return sum(step.busy)
+
+
+def _offset(step: StepState, timeline: Any) -> float:
+    """Seconds to add to this process's recorder times to land on ``timeline``'s clock (0 for a
+    ``Pipe``; the gathered timeline of a ``DistributedPipe`` starts at the earliest rank)."""
+    if not step.recorder.intervals:
+        return 0.0
+    stage, action, start, _ = step.recorder.intervals[0]
+    for event in timeline.events:
+        if event.stage == stage and event.action == action:
+            return event.start - start
+    return 0.0
