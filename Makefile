@@ -3,7 +3,9 @@
 #   make test   installs everything and runs the test suite
 # Everything goes into .venv (made with --system-site-packages, so a torch already installed on the
 # machine, e.g. a CUDA build on a GPU machine, is used as it is). Without one, TORCH_SPEC is
-# installed: the CPU build by default.
+# installed: on a machine without an NVIDIA GPU from PyTorch's CPU wheel index (TORCH_INDEX),
+# falling back to the default index (which serves the CUDA build on Linux) when that index cannot
+# be reached. Triton (for the tests only) is installed by `make test`, not by `make demo`.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,20 +14,39 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 TRITON ?= 1
+# non-empty when the machine has an NVIDIA GPU: then torch comes from the default index
+GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h)
 
-.PHONY: install demo test test-fast check-cuda-syntax bench info clean
+.PHONY: install torch demo test test-fast check-cuda-syntax bench info clean
 
 $(VENV)/.installed: $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
+	$(PY) -c "import torch" 2>/dev/null || $(MAKE) --no-print-directory torch
 	$(PY) -m pip install setuptools wheel ninja
 	$(PY) -m pip install -e ".[test]" --no-build-isolation
-	# Triton (the fused ops' GPU kernels; the tests run them on its CPU interpreter) only beside
-	# a CPU torch: a CUDA torch brings the Triton it was built with. TRITON=0 skips it.
+	$(PY) -m fastpipe info
+	touch $@
+
+# torch when the venv sees none: the CPU build without a GPU (PyTorch's CPU index), else (or when
+# that index cannot be reached) TORCH_SPEC from the default index.
+torch:
+ifneq ($(if $(strip $(GPU)),,$(strip $(TORCH_INDEX))),)
+	$(PY) -m pip install --retries 1 --timeout 20 "$(TORCH_SPEC)" --index-url $(TORCH_INDEX) \
+		$(TORCH_PIP_ARGS) || { echo "fastpipe: $(TORCH_INDEX) could not be used; installing \
+	$(TORCH_SPEC) from the default index (on Linux the CUDA build, several GB; set TORCH_SPEC \
+	and TORCH_PIP_ARGS to choose)"; $(PY) -m pip install "$(TORCH_SPEC)" $(TORCH_PIP_ARGS); }
+else
+	$(PY) -m pip install "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
+endif
+
+# Triton (the fused ops' GPU kernels; the tests run them on its CPU interpreter), for the tests
+# only and only beside a CPU torch: a CUDA torch brings the Triton it was built with. TRITON=0
+# skips it.
+$(VENV)/.triton: $(VENV)/.installed
 	if [ "$(TRITON)" != 0 ] && $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
 		$(PY) -m pip install triton; fi
-	$(PY) -m fastpipe info
 	touch $@
 
 install: $(VENV)/.installed
@@ -33,10 +54,10 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m fastpipe demo
 
-test: install
+test: install $(VENV)/.triton
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install $(VENV)/.triton
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Compile-only check of the CUDA sources against torch's and the CUDA toolkit's headers (no GPU).

@@ -4,7 +4,8 @@ Environment variables:
   FASTPIPE_NO_NATIVE=1     skip the extension entirely (pure-Python install).
   FASTPIPE_BUILD_CUDA=0|1  force a CPU-only (0) or CUDA (1) build; by default CUDA
                            kernels are built when torch has CUDA and nvcc is found.
-Install torch first, then ``pip install -e . --no-build-isolation``.
+Install torch first, then ``pip install -e . --no-build-isolation``; under build isolation
+(pip's default) torch is hidden and the build stops at once with that advice.
 """
 from __future__ import annotations
 
@@ -95,4 +96,26 @@ def _native_build() -> dict:
     return {"ext_modules": [ext], "cmdclass": {"build_ext": build_ext}}
 
 
-setup(**({} if _flag("FASTPIPE_NO_NATIVE") == "1" else _native_build()))
+NO_TORCH = (
+    "fastpipe: building the native library needs the installed torch, and this build "
+    "environment has none (pip's build isolation hides the installed packages). Install torch "
+    "first, then `pip install . --no-build-isolation` (or `pip wheel . --no-build-isolation`, "
+    "`python -m build --no-isolation`); or install pure Python with `FASTPIPE_NO_NATIVE=1 pip "
+    "install .` (native ops then fall back to their PyTorch references).")
+
+
+def _torch_present() -> bool:
+    """Whether torch can be imported by this build (build isolation hides an installed one)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if _flag("FASTPIPE_NO_NATIVE") == "1":
+    setup()
+elif not _torch_present():
+    raise SystemExit(NO_TORCH)
+else:
+    setup(**_native_build())

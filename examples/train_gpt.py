@@ -76,7 +76,7 @@ def main() -> None:
             # pipe.last_step: this step's samples/s and its stage's measured bubble share
             print(f"step {step:3d}  loss {loss.item():.3f}  {pipe.last_step}", flush=True)
     if rank == 0 and args.trace is not None:
-        print(render.ascii(t.timeline, width=90))
+        print(render.ascii(t.timeline))
         t.write(args.trace)  # then: python -m fastpipe doctor FILE.json
         print(fastpipe.doctor(t))
     if rank == 0:

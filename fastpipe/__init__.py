@@ -2,7 +2,7 @@
 
 ``Pipe`` splits an ``nn.Sequential`` into stages and runs micro-batches through them on a chosen
 schedule, giving the gradients of the unsplit model; ``DistributedPipe`` does the same with one
-process per stage under ``torchrun``.
+process per stage under ``torchrun``; ``GPipe`` is torchgpipe's front door over ``Pipe``.
 """
 import torch  # noqa: F401  (loads libtorch before the native library needs it)
 
@@ -17,13 +17,14 @@ from .errors import (LossFunctionError, PipelineAborted, PipelineError, Pipeline
 from .info import format_info, info
 from .ops import reference_transfer, transfer
 from .pipe import Pipe
+from .compat import GPipe  # after .pipe: GPipe is a front over Pipe
 from .runtime.labels import profile
 from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning",
+    "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "GPipe",
     "LossFunctionError", "Pipe", "PipelineAborted", "PipelineError", "PipelineTimeout",
     "ProcessGroupError", "Schedule", "ScheduleError", "StageFailure", "amp", "balance",
     "batchnorm", "distributed", "doctor", "format_info", "get_schedule", "info", "init_mesh",

@@ -26,9 +26,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "info":
-        from .info import format_info
-        print(format_info())
-        return 0
+        return _info(rest)
     if command == "schedule":
         return _schedule(rest)
     if command == "simulate":
@@ -43,6 +41,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     print(f"unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
+
+
+def _info(argv: List[str]) -> int:
+    """Print the versions, the native library's status and the accelerators found."""
+    import argparse
+
+    from .info import format_info
+    argparse.ArgumentParser(prog="python -m fastpipe info",
+                            description="Print the versions of Python, torch and fastpipe, "
+                                        "the native library's status, and the CUDA devices "
+                                        "and Triton found.").parse_args(argv)
+    print(format_info())
+    return 0
 
 
 def _schedule(argv: List[str]) -> int:

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["solve", "by_time", "by_size", "profile_times", "profile_sizes"]
+__all__ = ["solve", "by_time", "by_size", "profile_times", "profile_sizes", "balance_by_time",
+           "balance_by_size", "profile_saved_sizes"]
 
 
 # -- the solver ------------------------------------------------------------------------
@@ -188,6 +189,73 @@ def by_size(
     return solve(profile_sizes(module, sample, param_scale=param_scale), partitions)
 
 
+def balance_by_time(
+    partitions: int,
+    module: nn.Sequential,
+    sample: Any,
+    *,
+    timeout: float = 1.0,
+    device: torch.device | str | None = None,
+) -> list[int]:
+    """torchgpipe's ``balance_by_time``: balance by forward+backward time per layer on
+    ``sample`` (a micro-batch), run on ``device`` (default: CUDA when present, else the CPU)."""
+    return by_time(partitions, module, sample, timeout=timeout, device=_default_device(device))
+
+
+def balance_by_size(
+    partitions: int,
+    module: nn.Sequential,
+    input: Any,
+    *,
+    chunks: int = 1,
+    param_scale: float = 2.0,
+    device: torch.device | str | None = None,
+) -> list[int]:
+    """torchgpipe's ``balance_by_size``: balance by memory per layer, counting
+    ``param_scale`` x parameter bytes plus the bytes each layer keeps for backward (and its
+    output) on one micro-batch of ``input`` (the first ``ceil(batch / chunks)`` samples),
+    run on ``device`` (default: CUDA when present, else the CPU). The module is untouched."""
+    _check_partitions(partitions, _check_sequential(module))
+    _check_positive("chunks", chunks, integer=True)
+    sizes = profile_saved_sizes(module, _first_microbatch(input, chunks),
+                                param_scale=param_scale, device=_default_device(device))
+    return solve(sizes, partitions)
+
+
+def profile_saved_sizes(
+    module: nn.Sequential,
+    sample: Any,
+    *,
+    param_scale: float = 2.0,
+    device: torch.device | str | None = None,
+) -> list[float]:
+    """Bytes per layer: ``param_scale`` x parameter bytes + the distinct storages of the
+    tensors autograd saves for the layer's backward and of its output, on ``sample``.
+
+    Each layer runs forward with grad, in its own training mode, on a deep copy on ``device``
+    (default: where the layer lives); the RNG state is restored afterwards.
+    """
+    import torch
+
+    _check_sequential(module)
+    _check_positive("param_scale", param_scale, allow_zero=True)
+    sizes, x = [], sample
+    with _preserved_rng(module, sample, device), torch.enable_grad(), _layerwise():
+        for layer in module:
+            target = _target_device(layer, x, device)
+            sandbox = copy.deepcopy(layer).to(target)
+            params = {p.untyped_storage().data_ptr() for p in sandbox.parameters()}
+            saved: dict[int, int] = {}
+            with _counting_saved(saved, params):
+                out = sandbox(_map_tensors(_to(x, target), _leaf))
+            for t in _tensors(out):
+                saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            param_bytes = sum(_nbytes(p) for p in sandbox.parameters())
+            sizes.append(param_scale * param_bytes + sum(saved.values()))
+            x = _map_tensors(out, lambda t: t.detach())
+    return sizes
+
+
 def profile_times(
     module: nn.Sequential,
     sample: Any,
@@ -210,7 +278,7 @@ def profile_times(
     _check_positive("repeats", repeats, integer=True)
     deadline = time.perf_counter() + timeout
     times, x = [], sample
-    with _preserved_rng(module, sample, device), torch.enable_grad():
+    with _preserved_rng(module, sample, device), torch.enable_grad(), _layerwise():
         for layer in module:
             target = _target_device(layer, x, device)
             sandbox = copy.deepcopy(layer).to(target).train()
@@ -231,7 +299,7 @@ def profile_sizes(module: nn.Sequential, sample: Any, *, param_scale: float = 2.
     _check_sequential(module)
     _check_positive("param_scale", param_scale, allow_zero=True)
     sizes, x = [], sample
-    with _eval_mode(module), torch.no_grad():
+    with _eval_mode(module), torch.no_grad(), _layerwise():
         for layer in module:
             x = layer(_to(x, _target_device(layer, x, None)))
             params = sum(_nbytes(p) for p in layer.parameters())
@@ -276,6 +344,39 @@ def _forward_backward(layer: nn.Module, inputs: Any, device: torch.device) -> tu
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+def _default_device(device: Any) -> Any:
+    """torchgpipe profiles on CUDA by default; without CUDA, on the CPU."""
+    import torch
+
+    if device is not None:
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _first_microbatch(input: Any, chunks: int) -> Any:
+    """The first micro-batch of ``input`` split into ``chunks`` (``torch.chunk`` sizes)."""
+    sizes = [t.size(0) for t in _tensors(input) if t.dim() > 0]
+    if not sizes:
+        return input
+    rows = max(1, -(-sizes[0] // chunks))
+    return _map_tensors(input, lambda t: t[:rows] if t.dim() > 0 else t)
+
+
+@contextmanager
+def _counting_saved(saved: dict[int, int], params: set[int]) -> Iterator[None]:
+    """Record in ``saved`` (storage -> bytes) every non-parameter tensor saved for backward."""
+    import torch
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
 
 
 def _check_sequential(module: object) -> int:
@@ -365,6 +466,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type != "cpu" and hasattr(torch, "accelerator"):
         torch.accelerator.synchronize(device)
+
+
+def _layerwise() -> Any:
+    """Skip connections (``fastpipe.skip``) work with layers profiled one at a time."""
+    from .skip.api import layerwise
+
+    return layerwise()
 
 
 @contextmanager

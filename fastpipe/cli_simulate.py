@@ -65,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="per-stage forward, input-gradient and weight-gradient costs and "
                              "optional transfer latency; each chunk gets 1/virtual of the "
                              "compute (default 1,1,1)")
-    parser.add_argument("--width", type=int, default=100, help="text timeline width (default 100)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="text timeline width in columns, in one band (default: wide enough "
+                             "for the labels, wrapped in bands of 100 columns)")
     parser.add_argument("--png", metavar="PATH", help="also draw the timeline as a PNG")
     parser.add_argument("--trace", metavar="PATH", help="also write a Chrome/Perfetto trace")
     return parser
@@ -83,7 +85,7 @@ def _simulate(args: argparse.Namespace, costs: Costs) -> SimulationResult:
     if args.virtual is None:
         args.virtual = DEFAULT_VIRTUAL.get(args.schedule.lower(), 1)
     for name in ("stages", "chunks", "virtual", "width"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.schedule.lower() not in SCHEDULES:
         raise UsageError(f"unknown schedule {args.schedule!r}; "

@@ -14,7 +14,6 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import microbatch
 from .doctor_report import doctor
 from .memory import SavedActivationMeter, cuda_peaks, format_bytes
 from .models import counting_task, gpt, lm_loss
@@ -31,46 +30,71 @@ def _devices(stages: int) -> List[str]:
 
 
 def _chunks(text: str) -> Union[int, str]:
-    if text == "auto":
-        return text
+    return text if text == "auto" else _positive(text)
+
+
+def _positive(text: str) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--chunks takes an int or 'auto', got {text!r}")
+        raise argparse.ArgumentTypeError(f"takes a positive int, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive int, got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fastpipe demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--chunks", type=_chunks, default=4, help="an int, or 'auto'")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--checkpoint", default="except_last",
-                        help="never, except_last, always, selective or offload")
+    from .checkpoint import MODES
+    from .schedule import SCHEDULES
+    parser = argparse.ArgumentParser(prog="python -m fastpipe demo", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=_positive, default=40, help="training steps")
+    parser.add_argument("--stages", type=_positive, default=2, help="pipeline stages (devices)")
+    parser.add_argument("--layers", type=_positive, default=4, help="transformer blocks")
+    parser.add_argument("--chunks", type=_chunks, default=4,
+                        help="micro-batches per batch: a positive int, or 'auto'")
+    parser.add_argument("--batch", type=_positive, default=32, help="samples per batch")
+    parser.add_argument("--seq", type=_positive, default=32, help="tokens per sample")
+    parser.add_argument("--schedule", default="1f1b", type=str.lower,
+                        choices=[*sorted(SCHEDULES), "auto"], help="pipeline schedule")
+    parser.add_argument("--virtual", type=_positive, default=None,
+                        help="model chunks per stage (interleaved, looped-bfs); default: the "
+                             "schedule's own (2 for zbv and dualpipev, else 1)")
+    parser.add_argument("--checkpoint", default="except_last", choices=list(MODES),
+                        help="what backward recomputes")
     parser.add_argument("--fused", action="store_true",
                         help="build the blocks from fastpipe.nn's fused modules")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--print-every", type=int, default=None,
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--print-every", type=_positive, default=None,
                         help="print a loss line every N steps (default: about ten lines)")
-    parser.add_argument("--measure-steps", type=int, default=3,
+    parser.add_argument("--measure-steps", type=_positive, default=3,
                         help="last steps traced for the bubble, memory and timeline picture")
     parser.add_argument("--picture", default=os.path.join("out", "demo_timeline.png"),
                         help="where to write the timeline PNG (needs matplotlib; '' for none)")
     return parser
 
 
+def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Pipe:
+    """The demo's pipe; a layout the options cannot make is a usage error, not a traceback."""
+    model = gpt(vocab=VOCAB, dim=64, heads=4, layers=args.layers, max_len=args.seq,
+                fused=args.fused)
+    try:
+        return Pipe(model, chunks=args.chunks, devices=_devices(args.stages),
+                    checkpoint=args.checkpoint, schedule=args.schedule,
+                    virtual_stages=args.virtual)
+    except (TypeError, ValueError, NotImplementedError) as error:
+        parser.error(str(error))  # exits with status 2
+
+
+VOCAB = 32
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Parse the demo's options, build the pipeline, train it and print the report."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
-    vocab = 32
-    model = gpt(vocab=vocab, dim=64, heads=4, layers=args.layers, max_len=args.seq,
-                fused=args.fused)
-    pipe = Pipe(model, chunks=args.chunks, devices=_devices(args.stages),
-                checkpoint=args.checkpoint, schedule=args.schedule)
+    pipe = _build(args, parser)
     _describe(pipe, args)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(0)
@@ -81,22 +105,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     bar = progress(args.steps, desc="training")
     try:
         for step in range(1, args.steps + 1):
-            inputs, targets = counting_task(args.batch, args.seq, vocab, data)
+            inputs, targets = counting_task(args.batch, args.seq, VOCAB, data)
             if step == measured_from:
                 meter.__enter__()
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             if step >= measured_from:
                 with pipe.trace() as trace:
-                    loss = pipe.train_step(inputs, targets, lm_loss).item()
+                    loss = pipe.train_step(inputs, targets, lm_loss, optimizer=optimizer).item()
                 timelines.append(trace.timeline)
                 last_trace = trace
             else:
-                loss = pipe.train_step(inputs, targets, lm_loss).item()
-            optimizer.step()
+                loss = pipe.train_step(inputs, targets, lm_loss, optimizer=optimizer).item()
             rates.append(args.batch / (time.perf_counter() - start))
             losses.append(loss)
             bar.update(f"loss {loss:.4f}, {pipe.last_step.summary}")
+            if step == 1 and args.schedule == "auto":
+                bar.write(f"schedule='auto' chose {pipe.schedule} after measuring the first step")
             if step % every == 0 or step == args.steps:
                 bar.write(f"step {step:3d}  loss {loss:.4f}  {pipe.last_step}")
     finally:
@@ -112,17 +137,21 @@ def main(argv: Optional[List[str]] = None) -> None:
 def _describe(pipe: Pipe, args: argparse.Namespace) -> None:
     print(f"fastpipe demo: GPT with {args.layers} blocks, "
           f"{sum(p.numel() for p in pipe.parameters()) / 1e6:.2f} M parameters")
-    for index, (part, device) in enumerate(zip(pipe.partitions, pipe.devices)):
+    for index, part in enumerate(pipe.partitions):
         names = ", ".join(type(layer).__name__ for layer in part)
-        print(f"  stage {index} on {device}: {names}")
-    print(f"  schedule={pipe.schedule} chunks={args.chunks} checkpoint={pipe.checkpoint}")
+        device = pipe.devices[pipe.plan().stage_of(index)[0]]
+        print(f"  {'chunk' if pipe.virtual_stages > 1 else 'stage'} {index} on {device}: {names}")
+    schedule = ("auto (the first step runs 1F1B and measures; then the fastest is kept)"
+                if args.schedule == "auto" else pipe.schedule)
+    print(f"  schedule={schedule} chunks={args.chunks} virtual_stages={pipe.virtual_stages} "
+          f"checkpoint={pipe.checkpoint}")
 
 
 def _report(pipe: Pipe, args: argparse.Namespace, rates: Sequence[float],
             timelines: Sequence[object], meter: SavedActivationMeter) -> None:
     """The closing table, the timeline picture and where it was written."""
     p = len(pipe.devices)
-    m = len(microbatch.split_sizes(args.batch, pipe.chunks))
+    m = len(pipe._split(args.batch, pipe.chunks))
     steady = rates[-max(1, len(timelines)):]  # the traced last steps (after any search)
     bubble = statistics.mean(t.bubble_fraction for t in timelines) if timelines else float("nan")
     memory = " / ".join(format_bytes(b) for b in meter.peak_bytes)
@@ -146,7 +175,7 @@ def _report(pipe: Pipe, args: argparse.Namespace, rates: Sequence[float],
 
 def _picture(timeline: object, path: str) -> None:
     print()
-    print(render.ascii(timeline, width=80))
+    print(render.ascii(timeline))
     if not path:
         return
     try:

@@ -30,7 +30,7 @@ from .checkpoint import checkpoint_stop, draw_step_seed
 from .errors import PeerLost, PipelineAborted, PipelineError, ProcessGroupError
 from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
-                        check_virtual_stages)
+                        layer_names, resolve_virtual_stages)
 from .runtime.board import Board, wait_work
 from .runtime.dist_executor import DistributedExecutor, Topology, last_gradient_actions
 from .runtime.grad_sync import GradSync
@@ -83,7 +83,8 @@ class DistributedPipe(FrontDoor):
             default: by parameter count for an ``nn.Sequential``, by layer count for factories.
         checkpoint: a checkpoint mode of ``Pipe`` (``'never'``, ``'except_last'``,
             ``'always'``, ``'selective'``, ``'offload'``).
-        virtual_stages: model chunks per rank (interleaved and V-shaped schedules).
+        virtual_stages: model chunks per rank (interleaved and V-shaped schedules; default 2
+            for ``'zbv'`` and ``'dualpipev'``, else 1).
         process_group: the pipeline's ranks, in stage order (default: the whole world).
         data_parallel_group: the replicas of this rank's stage in other pipelines; their
             gradients are averaged (default: none).
@@ -101,7 +102,7 @@ class DistributedPipe(FrontDoor):
 
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last", *,
-                 virtual_stages: int = 1, process_group: Optional[Any] = None,
+                 virtual_stages: Optional[int] = None, process_group: Optional[Any] = None,
                  data_parallel_group: Optional[Any] = None,
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
@@ -120,7 +121,7 @@ class DistributedPipe(FrontDoor):
         self.chunk_search: Optional[adaptive.ChunkSearch] = None  # chunks='auto', first rank
         self._checkpoint = check_checkpoint(checkpoint)
         self._timeout = check_timeout(timeout)
-        self._virtual = check_virtual_stages(virtual_stages)
+        self._virtual = resolve_virtual_stages(virtual_stages, schedule)
         self._schedule_name = auto.check_name(schedule)
         self._auto = self._schedule_name == "auto"
         if self._auto:
@@ -145,12 +146,13 @@ class DistributedPipe(FrontDoor):
         self._topology = Topology(owner, rank, stage, self._group, self._device)
         starts = [0, *itertools.accumulate(self._balance)]
         kept: "OrderedDict[str, nn.Module]" = OrderedDict()
+        keys = layer_names(module, len(layers))
         stages: List[Any] = []
         for k in range(p * v):
             if owner[k] != rank:
                 stages.append(_RemoteStage(k, self._device))
                 continue
-            part = OrderedDict((str(i), _materialise(layers[i], self._device))
+            part = OrderedDict((keys[i], _materialise(layers[i], self._device))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
             stages.append(Stage(k, nn.Sequential(part), self._device,
@@ -347,13 +349,13 @@ class DistributedPipe(FrontDoor):
                 raise ValueError(f"inputs is None on rank {self._topology.rank}, which holds the "
                                  f"first stage: pass the batch on this rank")
             total = microbatch.batch_size(inputs, argument="inputs")
-            sizes = microbatch.split_sizes(total, self._step_chunks(total))
+            sizes = self._split(total, self._step_chunks(total))
         if targets is not None:
             total = microbatch.batch_size(targets, argument="targets")
             if sizes is not None and sum(sizes) != total:
                 raise ValueError(f"targets has batch size {total} but inputs has {sum(sizes)}; "
                                  f"give one target per input sample")
-            sizes = microbatch.split_sizes(total, self._step_chunks(total), argument="targets")
+            sizes = self._split(total, self._step_chunks(total), argument="targets")
         elif need_targets:
             raise ValueError(f"targets is None on rank {self._topology.rank}, which holds the "
                              f"last stage: pass the targets on this rank")
@@ -392,9 +394,9 @@ class DistributedPipe(FrontDoor):
             learned_from = self._topology.owner[entry - 1]
             header = self._executor.learn_microbatches(learned_from, step)
             learned = microbatch.split_sizes(header.batch_size, header.num_microbatches)
-            if not self._auto_chunks and learned != microbatch.split_sizes(header.batch_size,
-                                                                            self._chunks):
-                mine = len(microbatch.split_sizes(header.batch_size, self._chunks))
+            if not self._auto_chunks and learned != self._split(header.batch_size,
+                                                                 self._chunks):
+                mine = len(self._split(header.batch_size, self._chunks))
                 raise RuntimeError(f"rank {learned_from} split a batch of {header.batch_size} "
                                    f"into {header.num_microbatches} micro-batches but this rank "
                                    f"into {mine}: build the pipes with the same chunks on every "

@@ -1,7 +1,7 @@
 """Typed errors raised by fastpipe, each naming what went wrong and how to fix it."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 class PipelineError(RuntimeError):
@@ -25,9 +25,12 @@ class PipelineTimeout(PipelineError, TimeoutError):
 
 
 class StageFailure(PipelineError):
-    """A stage raised while running an action; carries where it happened.
+    """A stage failed while running an action; carries where it happened, the original
+    exception chained as ``__cause__``.
 
-    The original exception is chained as ``__cause__``.
+    Kept for programs that catch it: the pipelines no longer wrap exceptions in it. An
+    exception raised by the user's layers or loss reaches the caller with its own type, located
+    by a note (see :func:`located`); fastpipe's own failures are the other ``PipelineError``s.
     """
 
     def __init__(self, message: str, *, stage: int, action: str, microbatch: int) -> None:
@@ -55,6 +58,26 @@ def describe(error: BaseException) -> str:
 
 class PipelineAborted(PipelineError):
     """A stage stopped because another stage of the same step failed first."""
+
+
+def located(error: BaseException, action: Any, rank: Optional[int] = None) -> BaseException:
+    """``error`` (raised by the user's code in ``action``) with a note saying where it ran.
+
+    A user exception keeps its own type, so ``except ValueError:`` around a step works as
+    around the plain model; the note (shown in the traceback) names the rank, stage, action and
+    micro-batch, which also stay readable as ``error.pipeline_location`` (a dict).
+    """
+    where = {"rank": rank, "stage": action.stage, "action": str(action),
+             "microbatch": action.microbatch}
+    if getattr(error, "pipeline_location", None) is None:
+        prefix = f"rank {rank}, " if rank is not None else ""
+        error.add_note(f"raised in the pipeline at {prefix}stage {action.stage}, action {action} "
+                       f"(micro-batch {action.microbatch})")
+        try:
+            error.pipeline_location = where  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__
+            pass
+    return error
 
 
 class PeerLost(PipelineAborted):

@@ -9,7 +9,7 @@ their plain names), and says how many physical stages it has.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -104,6 +104,11 @@ class FrontDoor(nn.Module):
         """The validated schedule this pipe runs for ``num_microbatches`` (default ``chunks``)."""
         return validated_schedule(self._schedule_name, self.num_stages,
                                   num_microbatches or self._chunks, self._virtual)
+
+    def _split(self, total: int, chunks: int, argument: str = "inputs") -> List[int]:
+        """Micro-batch sizes of a batch of ``total``: ``torch.chunk``'s (fewer micro-batches
+        for a short batch), or the nearest smaller count the schedule can run."""
+        return microbatch.fitted_sizes(total, chunks, self._accepts, argument=argument)
 
     def _accepts(self, num_microbatches: int) -> bool:
         """Whether the schedule can run ``num_microbatches``."""

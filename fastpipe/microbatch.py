@@ -5,10 +5,14 @@ along dim 0 with ``torch.chunk`` semantics; every other leaf is passed to every 
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+import logging
+from typing import Any, Callable, List, Sequence, Set, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
+
+_log = logging.getLogger("fastpipe")
+_told: Set[Tuple[int, int, int]] = set()
 
 
 def _is_batched(leaf: Any) -> bool:
@@ -39,19 +43,39 @@ def split_sizes(total: int, chunks: int, *, argument: str = "inputs") -> List[in
     """Micro-batch sizes for ``total`` samples in ``chunks`` pieces, as ``torch.chunk`` makes them.
 
     Every piece but the last has ``ceil(total / chunks)`` samples, so there may be fewer pieces
-    than ``chunks`` (5 samples in 4 chunks give 2, 2, 1).
+    than ``chunks`` (5 samples in 4 chunks give 2, 2, 1; 3 samples in 4 chunks give 1, 1, 1).
     """
     if chunks < 1:
         raise ValueError(f"chunks must be at least 1, got {chunks}")
-    if total < chunks:
-        raise ValueError(
-            f"the batch in {argument} has {total} samples, fewer than chunks={chunks}; use a "
-            f"batch of at least {chunks} samples or lower chunks to at most {total}")
-    step = -(-total // chunks)
+    if total < 1:
+        raise ValueError(f"the batch in {argument} is empty; pass at least one sample")
+    step = -(-total // min(chunks, total))
     sizes = [step] * (total // step)
     if total % step:
         sizes.append(total % step)
     return sizes
+
+
+def fitted_sizes(total: int, chunks: int, accepts: Callable[[int], bool], *,
+                 argument: str = "inputs") -> List[int]:
+    """:func:`split_sizes`, unless the schedule cannot run that many micro-batches (an
+    interleaved schedule given a short last batch): then the split of the largest smaller
+    ``chunks`` whose micro-batch count it accepts, logged once per case. ``ValueError`` when
+    none fits."""
+    sizes = split_sizes(total, chunks, argument=argument)
+    if accepts(len(sizes)):
+        return sizes
+    for fewer in range(min(chunks, total) - 1, 0, -1):
+        fitted = split_sizes(total, fewer, argument=argument)
+        if accepts(len(fitted)):
+            if (total, chunks, len(fitted)) not in _told:
+                _told.add((total, chunks, len(fitted)))
+                _log.info("a batch of %d samples in chunks=%d gives %d micro-batches, which the "
+                          "schedule cannot run; running %d micro-batches instead", total, chunks,
+                          len(sizes), len(fitted))
+            return fitted
+    raise ValueError(f"the schedule cannot run any micro-batch count for the batch of {total} "
+                     f"samples in {argument}; use another schedule or a larger batch")
 
 
 def scatter(inputs: Any, sizes: Sequence[int]) -> List[Any]:

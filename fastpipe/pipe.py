@@ -18,8 +18,9 @@ from . import amp, batchnorm, microbatch, tied as tied_weights
 from .checkpoint import checkpoint_stop, draw_step_seed
 from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
-                        check_flag, check_materialised, check_module, check_timeout, check_virtual_stages, check_workers,
-                        default_partitions, resolve_devices, split)
+                        check_flag, check_materialised, check_module, check_timeout,
+                        check_workers, default_partitions, resolve_devices,
+                        resolve_virtual_stages, split)
 from .runtime import stash
 from .runtime.stage import Stage
 from .skip import exchange as skip_exchange, layout as skip_layout
@@ -56,7 +57,8 @@ class Pipe(FrontDoor):
             ``auto_ranking``).
         virtual_stages: model chunks per device, for interleaved and V-shaped schedules; then
             ``balance`` lists ``len(devices) * virtual_stages`` chunk sizes in model order and
-            the schedule's placement decides which device holds which chunk.
+            the schedule's placement decides which device holds which chunk. Default: 2 for
+            ``'zbv'`` and ``'dualpipev'`` (they need two), else 1.
         timeout: seconds any stage may wait for an input (and any action may run) before the
             step fails with an error naming the stage, the action and the micro-batch.
         cpu_workers: threads that run the CPU stages (consecutive stages share a thread when
@@ -83,10 +85,10 @@ class Pipe(FrontDoor):
     def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
-                 schedule: str = "gpipe", *, virtual_stages: int = 1, timeout: float = 300.0,
-                 cpu_workers: Optional[int] = None, deferred_batch_norm: bool = False,
-                 tied: Sequence[Sequence[Any]] = (), vertical_sync: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 schedule: str = "gpipe", *, virtual_stages: Optional[int] = None,
+                 timeout: float = 300.0, cpu_workers: Optional[int] = None,
+                 deferred_batch_norm: bool = False, tied: Sequence[Sequence[Any]] = (),
+                 vertical_sync: bool = False, cuda_graphs: bool = False) -> None:
         super().__init__()
         module = check_module(module)
         check_materialised(module)
@@ -95,7 +97,7 @@ class Pipe(FrontDoor):
         object.__setattr__(self, "chunk_search", None)  # chunks='auto': an adaptive.ChunkSearch
         self._checkpoint = check_checkpoint(checkpoint)
         self._timeout = check_timeout(timeout)
-        self._virtual = check_virtual_stages(virtual_stages)
+        self._virtual = resolve_virtual_stages(virtual_stages, schedule)
         workers = check_workers(cpu_workers)
         deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
         use_graphs = check_flag(cuda_graphs, "cuda_graphs")
@@ -132,7 +134,8 @@ class Pipe(FrontDoor):
         object.__setattr__(self, "_partitions", nn.ModuleList(parts))
         object.__setattr__(self, "_stages", [Stage(k, part, device, deferred_batch_norm=deferred)
                                              for k, (part, device) in enumerate(zip(parts, where))])
-        tied_weights.bind(self._stages, tied_weights.find(module, self._balance))
+        object.__setattr__(self, "_tied_grads", tied_weights.bind(
+            self._stages, tied_weights.find(module, self._balance)))
         skip_exchange.wire(self._stages, skips)
         if use_graphs:
             graphs.enable(self._stages)
@@ -202,7 +205,7 @@ class Pipe(FrontDoor):
         if target_total != total:
             raise ValueError(f"targets has batch size {target_total} but inputs has {total}; "
                              f"give one target per input sample")
-        sizes = microbatch.split_sizes(total, self._step_chunks(total))
+        sizes = self._split(total, self._step_chunks(total))
         start = time.perf_counter()
         schedule = self.plan(len(sizes))
         weights = [s / total for s in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
@@ -229,7 +232,7 @@ class Pipe(FrontDoor):
         in autograd's order, as in GPipe).
         """
         total = microbatch.batch_size(inputs, argument="inputs")
-        sizes = microbatch.split_sizes(total, self._chunks)
+        sizes = self._split(total, self._chunks)
         schedule = self.plan(len(sizes))
         grad = torch.is_grad_enabled()
         stop = checkpoint_stop(self._checkpoint, len(sizes)) if grad and self.training else 0
@@ -275,10 +278,12 @@ class Pipe(FrontDoor):
         _order_streams(self._stages, before=True)
         batchnorm.discard(self._stages)
         graphs.before_step(self._stages, step.train)
+        self._tied_grads.begin(step.train and step.handlers is None)  # not under PipeDream
         try:
             self._workers.executor().run(programs, step, schedule)
         finally:
             _order_streams(self._stages, before=False)
+        self._tied_grads.flush()  # tied weights' gradients, summed in stage order
         graphs.after_step(self._stages)
         batchnorm.commit(self._stages)
         self._workers.observe(step)

@@ -157,6 +157,14 @@ def resolve_devices(devices: Optional[Sequence[Device]], partitions: int) -> Lis
     return [parse_device(d) for d in devices[:partitions]]
 
 
+def layer_names(module: object, count: int) -> List[str]:
+    """The plain module's names of its ``count`` layers: an ``nn.Sequential``'s own (``'0'``,
+    or ``'embed'`` when built from an ``OrderedDict``), else their indices."""
+    if isinstance(module, nn.Sequential):
+        return list(module._modules)
+    return [str(i) for i in range(count)]
+
+
 def split(module: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequential]:
     """Cut the module into consecutive ``nn.Sequential`` stages sharing its layers."""
     layers = list(module)
@@ -200,6 +208,18 @@ def check_virtual_stages(virtual_stages: object) -> int:
         raise ValueError(f"virtual_stages must be a positive int (model chunks per device), "
                          f"got {virtual_stages!r}")
     return virtual_stages
+
+
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules that hold exactly two model chunks per device."""
+
+
+def resolve_virtual_stages(virtual_stages: object, schedule: object) -> int:
+    """``virtual_stages``, checked; ``None`` (not given) means what ``schedule`` needs: 2 for
+    the V-shaped schedules, else 1."""
+    if virtual_stages is None:
+        return 2 if isinstance(schedule, str) and schedule.lower() in V_SHAPED else 1
+    return check_virtual_stages(virtual_stages)
 
 
 def check_chunk_count(chunks: int, virtual_stages: int) -> int:

@@ -19,7 +19,7 @@ after the backward, and step every copy identically (or broadcast from the home 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ def tie(module: nn.Module, groups: Sequence[Sequence[str]]) -> None:
 
 def find(module: nn.Sequential, balance: Sequence[int]) -> List[TiedWeight]:
     """The parameters that layers of more than one stage share (``balance``: layers per stage)."""
-    stage_of_layer = [s for s, count in enumerate(balance) for _ in range(count)]
+    stage_of = [s for s, count in enumerate(balance) for _ in range(count)]
+    stage_of_layer = {name: stage_of[i] for i, name in enumerate(module._modules)}  # any names
     names: Dict[int, List[str]] = {}
     params: Dict[int, nn.Parameter] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -65,43 +66,133 @@ def find(module: nn.Sequential, balance: Sequence[int]) -> List[TiedWeight]:
         params[id(param)] = param
     found = []
     for key, shared in names.items():
-        stages = sorted({stage_of_layer[int(n.split(".", 1)[0])] for n in shared})
+        stages = sorted({stage_of_layer[n.split(".", 1)[0]] for n in shared})
         if len(stages) > 1:
             found.append(TiedWeight(tuple(shared), params[key], tuple(stages)))
     return found
 
 
-def bind(stages: Sequence[Any], tied: Sequence[TiedWeight]) -> None:
-    """Place each tied parameter on its home stage's device; let every stage on another device
-    run its layers with a differentiable copy (wrapping the stage's ``call``)."""
-    remote: Dict[int, Dict[str, nn.Parameter]] = {}
+def bind(stages: Sequence[Any], tied: Sequence[TiedWeight]) -> "TiedGradients":
+    """Place each tied parameter on its home stage's device; let every stage that uses one run
+    its layers through taps (and, on another device, a differentiable copy), wrapping the
+    stage's ``call``. Returns the gradient buffers the front door sums after each step."""
+    uses: Dict[int, Dict[str, nn.Parameter]] = {}
     for weight in tied:
         home = stages[weight.stages[0]].device
         with torch.no_grad():
             weight.parameter.data = weight.parameter.data.to(home)
             if weight.parameter.grad is not None:
                 weight.parameter.grad = weight.parameter.grad.to(home)
-        for s in weight.stages[1:]:
-            if stages[s].device != home:
-                local = _local_names(stages[s].module, weight.parameter)
-                remote.setdefault(s, {}).update({name: weight.parameter for name in local})
-    for s, params in remote.items():
-        stages[s].call = WithCopies(stages[s].module, params, stages[s].device)
+        for s in weight.stages:
+            local = _local_names(stages[s].module, weight.parameter)
+            uses.setdefault(s, {}).update({name: weight.parameter for name in local})
+    sums = TiedGradients(tied)
+    for s, params in uses.items():
+        stages[s].call = WithCopies(stages[s].module, params, stages[s].device, sums, s)
+    return sums
+
+
+class _Sum:
+    """One stage's share of a tied parameter's gradient in one step."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Optional[torch.Tensor] = None
+
+    def add(self, grad: torch.Tensor) -> None:
+        self.value = grad.clone() if self.value is None else self.value.add_(grad)
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a tied parameter whose backward adds the gradient to one stage's buffer
+    instead of the parameter's ``.grad``, so each stage sums its own share in its own order."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, total: _Sum) -> torch.Tensor:  # type: ignore
+        ctx.total = total
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None]:  # type: ignore[override]
+        ctx.total.add(grad)
+        return None, None
+
+
+class TiedGradients:
+    """The gradient buffers of tied parameters, per stage, during a training step.
+
+    Stages run on their own threads, so letting autograd add every stage's gradient straight
+    into one ``.grad`` would sum them in thread order (runs with one seed could differ in the
+    last bit). During a step each stage sums its share in its buffer; ``flush`` adds the
+    shares to ``.grad`` in stage order, so the result is the same on every run.
+    """
+
+    def __init__(self, tied: Sequence[TiedWeight]) -> None:
+        self.tied = list(tied)
+        self.active = False
+        self.sums: Dict[Tuple[int, int], _Sum] = {}
+
+    def begin(self, active: bool) -> None:
+        """Start a step; ``active``: buffer the gradients (a training step whose ``.grad`` is
+        read only after it ends), else let autograd add into ``.grad`` directly."""
+        self.active = active and bool(self.tied)
+        self.sums = {}
+
+    def total(self, stage: int, param: nn.Parameter) -> _Sum:
+        return self.sums.setdefault((stage, id(param)), _Sum())
+
+    def flush(self) -> None:
+        """Add each stage's share to its parameter's ``.grad``, in stage order."""
+        if self.active:
+            with torch.no_grad():
+                for weight in self.tied:
+                    for s in weight.stages:
+                        share = self.sums.get((s, id(weight.parameter)))
+                        if share is not None and share.value is not None:
+                            _accumulate(weight.parameter, share.value)
+        self.active, self.sums = False, {}
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    grad = grad.to(param.device)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
 
 
 class WithCopies:
-    """Calls a stage's module with some of its parameters replaced by copies on its device,
-    made from the one parameter at each call (so gradients flow back into it)."""
+    """Calls a stage's module with its tied parameters replaced: on another device by copies
+    made from the one parameter at each call (so gradients flow back into it), and during a
+    training step through taps that sum the stage's share of the gradient (``TiedGradients``)."""
 
     def __init__(self, module: nn.Module, params: Dict[str, nn.Parameter],
-                 device: torch.device) -> None:
+                 device: torch.device, sums: Optional[TiedGradients] = None,
+                 stage: int = 0) -> None:
         self.module = module
         self.params = params
         self.device = device
+        self.sums = sums
+        self.stage = stage
+        self.own = all(_get(module, name) is p for name, p in params.items())
 
     def __call__(self, inputs: Any) -> Any:
-        copies = {name: p.to(self.device) for name, p in self.params.items()}
+        sums = self.sums
+        tapped = sums is not None and sums.active and torch.is_grad_enabled()
+        if not tapped and self.own and all(p.device == self.device
+                                           for p in self.params.values()):
+            return self.module(inputs)  # the module's own parameters, where they are
+        copies = {name: (_Tap.apply(p, sums.total(self.stage, p)) if tapped else p)
+                  .to(self.device) for name, p in self.params.items()}
         return torch.func.functional_call(self.module, copies, (inputs,), strict=False)
+
+
+def _get(module: nn.Module, name: str) -> Optional[nn.Parameter]:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def _local_names(module: nn.Module, param: nn.Parameter) -> List[str]:

@@ -6,6 +6,7 @@ success it prints one ``RESULT <json>`` line.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -170,12 +171,16 @@ def variable_shapes(schedule: str = "1f1b") -> Dict:
     return {"ok": True}
 
 
+class UserBoom(ValueError):
+    """A user's own exception type: it must reach the caller as itself."""
+
+
 class Boom(nn.Module):
     """Raises in the forward of the micro-batch whose first element is tagged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1:
-            raise RuntimeError("boom in a user layer")
+            raise UserBoom("boom in a user layer")
         return x
 
 
@@ -218,7 +223,8 @@ def failure(kind: str, failing_rank: int, timeout: float = 20.0, linger: float =
         seconds = time.monotonic() - start
         if dist.get_rank() == failing_rank:
             time.sleep(linger)
-        return {"error": type(error).__name__, "message": str(error)[:600], "seconds": seconds}
+        return {"error": type(error).__name__, "message": str(error)[:600], "seconds": seconds,
+                "notes": list(getattr(error, "__notes__", []))}
     return {"error": None, "seconds": time.monotonic() - start}
 
 
@@ -409,7 +415,8 @@ def boundary_mismatch() -> Dict:
     try:
         pipe.train_step(x, y, nn.functional.mse_loss)
     except Exception as error:  # noqa: BLE001 - reported to the test
-        return {"error": type(error).__name__, "message": str(error)[:400]}
+        return {"error": type(error).__name__, "message": str(error)[:400],
+                "notes": list(getattr(error, "__notes__", []))}
     return {"error": None}
 
 
@@ -478,6 +485,31 @@ def tied_weights(schedule: str = "1f1b", steps: int = 3) -> Dict:
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(p, after[name], **TOL)
     return {"names": [n for n, _ in pipe.named_parameters()]}
+
+
+def compat() -> Dict:
+    """torchgpipe users' cases across processes: layers with names (an OrderedDict) and a
+    weight tied across ranks; a batch smaller than chunks; a short batch an interleaved
+    schedule cannot split into its count; zbv without virtual_stages."""
+    from collections import OrderedDict
+    names = {}
+    for case, (schedule, v, batch) in enumerate([("1f1b", None, 3), ("interleaved", 2, 13),
+                                                 ("zbv", None, 5)]):
+        plain = model(depth=8)
+        named = nn.Sequential(OrderedDict((f"layer{i}", layer) for i, layer in enumerate(plain)))
+        named.layer7 = nn.Linear(WIDTH, WIDTH)
+        named.layer7.weight = named.layer0[0].weight
+        source = copy.deepcopy(named)  # keeps the tie
+        x, y = data(batch, seed=case)
+        y = torch.cat([y, y], 1)
+        ref_loss, _ = reference_grads(named, x, y)
+        ref = {n: p.grad.clone() for n, p in named.named_parameters(remove_duplicate=False)}
+        pipe = DistributedPipe(source, chunks=8, schedule=schedule, virtual_stages=v, timeout=30)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        check_grads(pipe, ref, f"compat {schedule} batch={batch}")
+        names[schedule] = [n for n, _ in pipe.named_parameters()]
+    return {"names": names, "virtual": pipe.virtual_stages}
 
 
 def _name(module: nn.Module, param: nn.Parameter) -> str:
@@ -641,7 +673,7 @@ CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, f
                                  auto_chunks, auto_schedule, traced, doctored, pipedream,
                                  meta_and_factories, tied_weights,
                                  deferred_batch_norm, grad_scaler, autocast_bf16,
-                                 skip_connections, several)}
+                                 skip_connections, compat, several)}
 
 
 def main() -> None:

@@ -90,3 +90,29 @@ def assert_all_ok(results: List[RankResult]) -> List[Any]:
     """Every rank exited 0 and printed a result; returns the results."""
     assert all(r.returncode == 0 and r.result is not None for r in results), describe(results)
     return [r.result for r in results]
+
+
+def torchrun(script: str, args: List[str], cwd: str, nproc: int = 2,
+             limit: float = 120.0) -> str:
+    """Run ``script`` under ``torchrun --standalone`` with the source tree importable; its
+    stdout. Fails the test (killing torchrun and every rank) past ``limit`` seconds or on a
+    non-zero exit."""
+    import signal
+
+    import pytest
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", script, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1",  # the package's tree, installed or not
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+        proc.communicate()
+        pytest.fail(f"torchrun did not finish in {limit:g} s")
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    return out

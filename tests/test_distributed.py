@@ -6,9 +6,6 @@ the same process), so a launch passes only if every rank is exact.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
@@ -16,7 +13,7 @@ from torch import nn
 
 import fastpipe
 
-from dist_launch import assert_all_ok, describe, launch
+from dist_launch import assert_all_ok, describe, launch, torchrun
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -42,8 +39,13 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
         ["checkpoint_across_layouts", {}],
         ["skip_connections", {"schedules": [["1f1b", 1, "except_last"], ["zb-h1", 1, "never"],
                                             ["zbv", 2, "always"]]}],
+        ["compat", {}],
         ["loss_checks", {}],
     ]}))
+    compat = [r["compat"] for r in results]
+    assert "layer0.0.weight" in compat[0]["names"]["1f1b"]  # named children, tied across ranks
+    assert "layer7.weight" in compat[1]["names"]["1f1b"]
+    assert compat[0]["virtual"] == 2  # zbv inferred it
     assert all(r["loss_checks"]["dtype"] == "torch.float64" for r in results)
     keys = [r["meta_and_factories"] for r in results]
     assert keys[0]["meta"] == keys[0]["factories"]
@@ -103,9 +105,14 @@ def test_a_raising_rank_stops_every_other_rank_fast(world, failing, linger):
         assert r.result is not None, describe(results)
         assert r.result["error"] is not None
         assert r.result["seconds"] < 10.0, describe(results)  # well within the 30 s timeout
-        assert f"rank {failing}" in r.result["message"], describe(results)
+        told = r.result["message"] + " ".join(r.result["notes"])
+        assert f"rank {failing}" in told, describe(results)
         assert "boom in a user layer" in r.result["message"]
-    assert results[failing].result["error"] == "StageFailure"
+    # the user's own exception type reaches the caller, located by a note
+    assert results[failing].result["error"] == "UserBoom"
+    assert results[failing].result["notes"] == [
+        f"raised in the pipeline at rank {failing}, stage {failing}, action {failing}F3 "
+        f"(micro-batch 3)"]
     assert all(r.result["error"] == "PipelineAborted" for i, r in enumerate(results)
                if i != failing)
 
@@ -171,20 +178,8 @@ def test_mismatched_targets_fail_before_any_backward_on_every_rank():
 
 def test_torchrun_runs_the_example_end_to_end():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", os.path.join(root, "examples", "train_gpt.py"),
-               "--steps", "4", "--batch", "8", "--timeout", "60"]
-    env = dict(os.environ, OMP_NUM_THREADS="1",  # the package's tree, installed or not
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=root, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-        proc.communicate()
-        pytest.fail("torchrun did not finish in 120 s")
-    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    out = torchrun(os.path.join(root, "examples", "train_gpt.py"),
+                   ["--steps", "4", "--batch", "8", "--timeout", "60"], cwd=root)
     assert "median step" in out and "loss nan" not in out
 
 
@@ -192,8 +187,9 @@ def test_a_boundary_shape_mismatch_is_a_clear_error_at_the_first_step():
     results = launch("boundary_mismatch", 2, limit=120)
     assert all(r.result is not None for r in results), describe(results)
     failed = results[1].result
-    assert failed["error"] == "StageFailure"
-    assert failed["message"].startswith("rank 1: stage 1 failed in action 1F0 (micro-batch 0)")
+    assert failed["error"] == "RuntimeError"  # torch's own error, as the plain model raises it
+    assert failed["notes"] == ["raised in the pipeline at rank 1, stage 1, action 1F0 "
+                               "(micro-batch 0)"]
     assert "rank 1 (stage 1) failed" in results[0].result["message"]
 
 

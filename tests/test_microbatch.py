@@ -13,9 +13,19 @@ def test_split_sizes_follow_torch_chunk(total, chunks, sizes):
     assert [len(c) for c in torch.arange(total).chunk(chunks)] == sizes
 
 
-def test_batch_smaller_than_chunks_is_an_error():
-    with pytest.raises(ValueError, match="fewer than chunks=4"):
-        microbatch.split_sizes(3, 4)
+def test_batch_smaller_than_chunks_gives_fewer_microbatches_as_torch_chunk():
+    assert microbatch.split_sizes(3, 4) == [1, 1, 1]
+    with pytest.raises(ValueError, match="empty"):
+        microbatch.split_sizes(0, 4)
+
+
+def test_fitted_sizes_fall_back_to_a_count_the_schedule_runs():
+    even = lambda m: m % 2 == 0  # noqa: E731
+    assert microbatch.fitted_sizes(8, 4, even) == [2, 2, 2, 2]
+    assert microbatch.fitted_sizes(7, 8, even) == [2, 2, 2, 1]  # 7 pieces -> 4
+    assert microbatch.fitted_sizes(3, 4, even) == [2, 1]
+    with pytest.raises(ValueError, match="cannot run any micro-batch count"):
+        microbatch.fitted_sizes(1, 4, even)
 
 
 def test_scatter_gather_nested_round_trip():

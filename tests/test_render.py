@@ -99,3 +99,28 @@ def test_png_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(ImportError, match=r"pip install matplotlib.*pip install fastpipe\[plot\]"):
         render.png(simulated(), tmp_path / "x.png")
+
+
+def test_default_ascii_of_an_interleaved_schedule_is_legible():
+    """Without a width, every label has room and a space (no run-together ``F0F1FF3``), in
+    bands of at most 100 columns."""
+    timeline = get_schedule("interleaved", 2, 4, virtual_stages=2).simulate().timeline
+    lines = render.ascii(timeline).splitlines()
+    rows = [line.split("|")[1] for line in lines if line.startswith("stage")]
+    assert all(len(row) <= render.BAND for row in rows)
+    text = " ".join(rows)
+    for event in timeline.events:
+        assert render._full_label(event) in text
+    assert "F0.1 F1.1" in rows[0]
+    assert any("from" in line for line in lines)  # wrapped, each band says where it starts
+
+
+def test_png_legend_names_the_chunk_shades(tmp_path):
+    pytest.importorskip("matplotlib")
+    timeline = get_schedule("interleaved", 2, 4, virtual_stages=2).simulate().timeline
+    labels = [label for _, _, label in render.legend_labels(timeline)]
+    assert "forward, model chunk 0" in labels and "forward, model chunk 1 (lighter)" in labels
+    assert [label for _, _, label in render.legend_labels(simulated())] == [
+        "forward", "backward", "weight"]
+    render.png(timeline, tmp_path / "interleaved.png")
+    assert (tmp_path / "interleaved.png").stat().st_size > 0

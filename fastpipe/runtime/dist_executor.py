@@ -58,6 +58,7 @@ class DistributedExecutor(LocalExecutor):
         super().__init__([[topology.stage]])
         self.skips = tuple(sorted(skips))  # every skip connection of the pipeline
         self.topology = topology
+        self.rank = topology.rank
         self.board = board
         self.after_action = after_action
         self.info = StepInfo()

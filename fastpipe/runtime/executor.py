@@ -19,7 +19,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
-                      StageFailure, describe)
+                      describe, located)
 from ..schedule import Action, ActionKind, Schedule, SkipLink
 from .labels import action_range
 from .lowering import Route, is_ready, lowering, skip_links
@@ -36,6 +36,8 @@ class LocalExecutor:
 
     ``groups[w]`` lists the physical stages worker ``w`` runs, in pipeline order.
     """
+
+    rank: Optional[int] = None  # the process's pipeline rank, named in errors (distributed)
 
     def __init__(self, groups: Sequence[Sequence[int]],
                  handlers: Dict[ActionKind, Handler] = HANDLERS) -> None:
@@ -170,10 +172,8 @@ class LocalExecutor:
             raise
         except BaseException as error:
             step.abort.trip(f"stage {action.stage} failed in action {action}: {describe(error)}")
-            raise StageFailure(
-                f"stage {action.stage} failed in action {action} (micro-batch "
-                f"{action.microbatch}): {describe(error)}",
-                stage=action.stage, action=str(action), microbatch=action.microbatch) from error
+            located(error, action, self.rank)
+            raise
         step.progress[action.stage] = ("finished", action)
         step.busy[worker] += time.perf_counter() - start
         step.done()

@@ -29,19 +29,47 @@ _MAX_LABELS = 2000
 # -- text ----------------------------------------------------------------------------
 
 
-def ascii(timeline: Timeline, width: int = 100) -> str:
-    """Draw ``timeline`` as text: a header, then one row of ``width`` characters per stage.
+BAND = 100
+"""Columns per band of a wrapped text timeline."""
+_MAX_BANDS = 8
+
+
+def ascii(timeline: Timeline, width: int | None = None) -> str:
+    """Draw ``timeline`` as text: a header, then one row per stage.
 
     Each action starts with its kind letter and, where it has room, its micro-batch
     (and ``.chunk`` for chunks above 0), padded with spaces; idle time is ``.``.
+    ``width``: the columns of the whole picture, in one band. Default: as many columns as
+    make most actions' labels legible (``F3.1 B2``), wrapped into bands of 100 columns
+    (at most 8), each headed by the time it starts at.
     """
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be an int >= 1, got {width!r}")
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int)
+                              or width < 1):
+        raise ValueError(f"width must be an int >= 1 (or None to fit the labels), got {width!r}")
+    columns = width if width is not None else _legible_columns(timeline)
+    band = columns if width is not None else BAND
     label = len(f"stage {timeline.num_stages - 1}")
-    lines = [_header(timeline, width)]
-    for stage, lane in enumerate(timeline.by_stage()):
-        lines.append(f"{f'stage {stage}':<{label}} |{_row(timeline, lane, width)}|")
+    rows = [_row(timeline, lane, columns) for lane in timeline.by_stage()]
+    lines = [_header(timeline, columns)]
+    for start in range(0, columns, band):
+        if columns > band:
+            at = timeline.makespan * start / columns
+            lines.append(f"{'':<{label}}  from {at:.4g} {timeline.unit}:")
+        for stage, row in enumerate(rows):
+            lines.append(f"{f'stage {stage}':<{label}} |{row[start:start + band]}|")
     return "\n".join(lines)
+
+
+def _legible_columns(timeline: Timeline) -> int:
+    """Columns for the whole timeline such that three actions in four have room for their
+    full label and a space, within the band limit."""
+    durations = sorted(e.duration for e in timeline.events if e.duration > 0)
+    if not durations or timeline.makespan <= 0:
+        return BAND
+    short = durations[len(durations) // 4]
+    room = 1 + max(len(_full_label(e)) for e in timeline.events)
+    wanted = int(-(-timeline.makespan * room // short))
+    return max(min(BAND, wanted), min(wanted, BAND * _MAX_BANDS))
 
 
 def _header(timeline: Timeline, width: int) -> str:
@@ -67,10 +95,16 @@ def _row(timeline: Timeline, lane: tuple[Event, ...], width: int) -> str:
     return "".join(cells)
 
 
+def _full_label(event: Event) -> str:
+    action = event.action
+    text = f"{action.kind.value}{action.microbatch}"
+    return f"{text}.{action.chunk}" if action.chunk else text
+
+
 def _label(event: Event, room: int) -> str:
     action = event.action
     text = f"{action.kind.value}{action.microbatch}"
-    for candidate in (f"{text}.{action.chunk}" if action.chunk else text, text):
+    for candidate in (_full_label(event), text):
         if len(candidate) <= room:
             return candidate.ljust(room)
     return action.kind.value.ljust(room)
@@ -175,7 +209,7 @@ def _draw(axes: Any, timeline: Timeline) -> None:
         groups.setdefault(key, []).append((event.start - timeline.start, event.duration))
     for (stage, kind, chunk), spans in groups.items():
         axes.broken_barh(spans, (stage - 0.4, 0.8), facecolors=_COLORS[kind],
-                         alpha=1.0 / (1 + 0.5 * chunk), edgecolor="white", linewidth=0.5)
+                         alpha=_shade(chunk), edgecolor="white", linewidth=0.5)
     if len(timeline.events) <= _MAX_LABELS:
         _label_microbatches(axes, timeline)
     axes.set_yticks(range(timeline.num_stages),
@@ -185,8 +219,8 @@ def _draw(axes: Any, timeline: Timeline) -> None:
     axes.set_xlabel(f"time ({timeline.unit})")
     axes.set_title(f"{timeline.source}: makespan {timeline.makespan:.4g} {timeline.unit}, "
                    f"bubble {timeline.bubble_fraction:.1%}")
-    axes.legend(handles=_legend_handles(), loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                fontsize=7)
+    axes.legend(handles=_legend_handles(timeline), loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                fontsize=7, title="bar: micro-batch", title_fontsize=7)
 
 
 def _label_microbatches(axes: Any, timeline: Timeline) -> None:
@@ -196,7 +230,26 @@ def _label_microbatches(axes: Any, timeline: Timeline) -> None:
                       str(event.action.microbatch), ha="center", va="center", fontsize=7)
 
 
-def _legend_handles() -> list[Any]:
+def _shade(chunk: int) -> float:
+    """Opacity of a bar of model chunk ``chunk``: later chunks lighter."""
+    return 1.0 / (1 + 0.5 * chunk)
+
+
+def legend_labels(timeline: Timeline) -> list[tuple[ActionKind, int, str]]:
+    """(kind, chunk, label) of each legend entry: one per action kind, and with several
+    model chunks per stage one per (kind, chunk), naming the chunk its shade stands for."""
+    chunks = sorted({e.action.chunk for e in timeline.events}) or [0]
+    entries = []
+    for kind in _COLORS:
+        for chunk in chunks:
+            name = kind.name.lower()
+            entries.append((kind, chunk, name if len(chunks) == 1 else
+                            f"{name}, model chunk {chunk}" + (" (lighter)" if chunk else "")))
+    return entries
+
+
+def _legend_handles(timeline: Timeline) -> list[Any]:
     from matplotlib.patches import Patch
 
-    return [Patch(color=color, label=kind.name.lower()) for kind, color in _COLORS.items()]
+    return [Patch(facecolor=_COLORS[kind], alpha=_shade(chunk), label=label)
+            for kind, chunk, label in legend_labels(timeline)]

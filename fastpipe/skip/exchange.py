@@ -19,7 +19,7 @@ from ..schedule import ActionKind
 from . import api
 from .layout import StageSkips
 
-Tensors = Dict[str, torch.Tensor]
+Tensors = Dict[str, Optional[torch.Tensor]]
 
 
 class StageFrame:
@@ -33,7 +33,7 @@ class StageFrame:
         self.outgoing: Tensors = {}
         self.stashed: set = set()
 
-    def stash(self, name: str, tensor: torch.Tensor) -> None:
+    def stash(self, name: str, tensor: Optional[torch.Tensor]) -> None:
         if name in self.stashed:
             raise api.SkipError(f"skip {name!r} was stashed twice in one forward of stage "
                                 f"{self.skips.index}; stash each name once")
@@ -47,7 +47,7 @@ class StageFrame:
                                 f"layer that stashes it")
         self.stashed.add(name)
 
-    def pop(self, name: str) -> torch.Tensor:
+    def pop(self, name: str) -> Optional[torch.Tensor]:
         if name in self.local:
             return self.local.pop(name)
         if name in self.incoming:
@@ -100,9 +100,10 @@ class StageExchange:
         popped: Tensors = {}
         for name, _ in self.skips.receives:
             message = take(step, stage, route.skip_inputs[name])
-            tensor = message.parcel.tensors[0]
-            popped[name] = as_leaf(tensor, message.requires_grad[0]) if step.train else tensor
-        leaves = list(popped.values()) if step.train else []
+            tensor = message.parcel.tensors[0] if message.parcel.tensors else None  # stash(n, None)
+            popped[name] = (as_leaf(tensor, message.requires_grad[0])
+                            if step.train and tensor is not None else tensor)
+        leaves = _roots(popped) if step.train else []
         return (inputs, popped), boundary + leaves
 
     def send(self, step: Any, mb: int, output: Tuple[Any, Tensors],
@@ -114,13 +115,13 @@ class StageExchange:
         for name, _ in self.skips.sends:
             post(step, *route.skip_outputs[name], stashed[name], detach=step.train,
                  differentiable=differentiable)
-        return value, list(stashed.values())
+        return value, _roots(stashed)
 
     @staticmethod
     def split(output: Tuple[Any, Tensors]) -> Tuple[Any, List[torch.Tensor]]:
         """A recomputed ``(output, stashed)``: used for the backward, never sent again."""
         value, stashed = output
-        return value, list(stashed.values())
+        return value, _roots(stashed)
 
     def receive_grads(self, step: Any, stage: Any, route: Route) -> List[Optional[torch.Tensor]]:
         """The gradients of the tensors this stage stashed, from their consumers."""
@@ -135,6 +136,11 @@ class StageExchange:
         for (name, _), grad in zip(self.skips.receives, input_grads[head:]):
             post_grads(step, *route.skip_outputs[name], [grad])
         return input_grads[:head]
+
+
+def _roots(tensors: Dict[str, Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """The skip tensors in wire order, an empty tensor (no gradient) for a stashed ``None``."""
+    return [torch.empty(0) if t is None else t for t in tensors.values()]
 
 
 def wire(stages: List[Any], plans: Dict[int, StageSkips]) -> None:

@@ -9,7 +9,7 @@ from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 from torch import nn
 
-from .api import declaration
+from .api import declared
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def layer_declarations(module: nn.Sequential) -> Tuple[Dict[str, List[int]], Dic
     pops: Dict[str, List[int]] = {}
     for index, layer in enumerate(module):
         for sub in layer.modules():
-            decl = declaration(sub)
+            decl = declared(sub)
             if decl is None:
                 continue
             for name in decl.stash:

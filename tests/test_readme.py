@@ -1,0 +1,51 @@
+"""Every Python snippet of the README runs as shown, and so do its command lines."""
+import os
+import re
+import shlex
+import textwrap
+
+import pytest
+
+from dist_launch import torchrun
+from fastpipe.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+SNIPPETS = [textwrap.dedent(block) for block in
+            re.findall(r"^ *```python\n(.*?)^ *```", README, flags=re.S | re.M)]
+
+
+def test_the_readme_has_its_snippets():
+    assert len(SNIPPETS) >= 10
+
+
+@pytest.mark.parametrize("index", range(len(SNIPPETS)))
+def test_readme_snippet_runs(index, tmp_path, monkeypatch):
+    code = SNIPPETS[index]
+    monkeypatch.chdir(tmp_path)  # a snippet may write files (a checkpoint)
+    if "torchrun" in code:
+        _torchrun(code, tmp_path)
+    else:
+        exec(compile(code, f"README.md snippet {index}", "exec"), {"__name__": "__main__"})
+
+
+def _torchrun(code, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    torchrun(str(script), [], cwd=str(tmp_path))
+
+
+COMMANDS = sorted(set(re.findall(r"python -m fastpipe ((?:schedule|simulate)[^`\[]*)",
+                                 README.replace("\n", " "))))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command_runs(command, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(shlex.split(command)) == 0
+    assert capsys.readouterr().out
+
+
+def test_readme_lists_its_commands():
+    assert any(c.startswith("schedule") for c in COMMANDS)
+    assert any(c.startswith("simulate") for c in COMMANDS)
