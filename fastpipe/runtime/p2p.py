@@ -5,9 +5,9 @@ sender's lowered stage program sends them (activations, gradients, and the tenso
 of skip connections, for any of the receiver's stages). A message is keyed, on both ends, by the
 receive op (``Comm``) of the receiver's program; its header carries what rebuilds that key.
 The sending side is an :class:`Outbox`, which a stage's handlers see as the mailbox of a remote
-stage: ``put`` ships the message with non-blocking sends. The receiving side is an :class:`Inbox` per peer, which keeps the next
-receive posted ahead of the compute; the rank's worker takes messages from it when an action
-needs them. Every wait has a timeout; a failing rank sends its peers a failure notice in place
+stage: ``put`` ships the message with non-blocking sends. The receiving side is an
+:class:`Inbox` per peer, which keeps the next receive posted ahead of the compute; the rank's
+worker takes messages from it when an action needs them. Every wait has a timeout; a failing rank sends its peers a failure notice in place
 of the next message.
 """
 from __future__ import annotations
