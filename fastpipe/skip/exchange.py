@@ -15,6 +15,7 @@ import torch
 
 from ..runtime.lowering import Route
 from ..runtime.message import as_leaf, post, post_grads, take
+from ..runtime.step import StepState
 from ..schedule import ActionKind
 from . import api
 from .layout import StageSkips
@@ -93,7 +94,7 @@ class StageExchange:
         self.skips = skips
         self.index = skips.index
 
-    def receive(self, step: Any, stage: Any, route: Route, inputs: Any,
+    def receive(self, step: StepState, stage: Any, route: Route, inputs: Any,
                 boundary: List[torch.Tensor]) -> Tuple[Any, List[torch.Tensor]]:
         """The stage's packed input ``(input, popped)``; in training the popped tensors are
         boundary leaves too (their gradients go back to the producers)."""
@@ -106,7 +107,7 @@ class StageExchange:
         leaves = _roots(popped) if step.train else []
         return (inputs, popped), boundary + leaves
 
-    def send(self, step: Any, mb: int, output: Tuple[Any, Tensors],
+    def send(self, step: StepState, mb: int, output: Tuple[Any, Tensors],
              differentiable: bool) -> Tuple[Any, List[torch.Tensor]]:
         """Send the stashed tensors to their consumers; the stage's own output and the stashed
         tensors (extra roots of the stage's backward)."""
@@ -123,12 +124,12 @@ class StageExchange:
         value, stashed = output
         return value, _roots(stashed)
 
-    def receive_grads(self, step: Any, stage: Any, route: Route) -> List[Optional[torch.Tensor]]:
+    def receive_grads(self, step: StepState, stage: Any, route: Route) -> List[Optional[torch.Tensor]]:
         """The gradients of the tensors this stage stashed, from their consumers."""
         return [take(step, stage, route.skip_inputs[name]).parcel.tensors[0]
                 for name, _ in self.skips.sends]
 
-    def send_grads(self, step: Any, route: Route, input_grads: List[Optional[torch.Tensor]]
+    def send_grads(self, step: StepState, route: Route, input_grads: List[Optional[torch.Tensor]]
                    ) -> List[Optional[torch.Tensor]]:
         """Send the popped tensors' gradients (the tail of ``input_grads``) to their producers;
         returns the gradients of the stage's ordinary input."""
