@@ -1,5 +1,6 @@
 """Messages between stages: a pytree value shipped to the receiving stage's device and put in
-its mailbox under the key the lowering gives (the receiving side's ``Comm``).
+its mailbox under the key the lowering gives (the receiving side's ``Comm``). ``step`` below is
+the step's ``StepState`` (not imported: the step module imports this one).
 
 The one place that turns values into messages and back; the step handlers, the skip-connection
 exchange and the distributed transport (which encodes a message's structure) all use it.
@@ -7,15 +8,12 @@ exchange and the distributed transport (which encodes a message's structure) all
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .hop import Parcel, land, ship
-
-if TYPE_CHECKING:  # the step's state holds the mailboxes these helpers use
-    from .step import StepState
 
 TENSOR = object()  # marks where a tensor sits among a message's leaves
 BARE = object()  # the spec of a value that is a single tensor (the common case, kept fast)
@@ -42,7 +40,7 @@ def unflatten(leaves: List[Any], spec: Any) -> Any:
     return leaves[0] if spec is BARE else pytree.tree_unflatten(leaves, spec)
 
 
-def post(step: StepState, dst: int, key: Hashable, value: Any, detach: bool,
+def post(step: Any, dst: int, key: Hashable, value: Any, detach: bool,
          differentiable: bool = False) -> None:
     """Ship ``value`` to virtual stage ``dst`` under ``key``. ``differentiable`` marks
     floating-point tensors as wanting a gradient even without a graph (a checkpointed forward
@@ -58,14 +56,14 @@ def post(step: StepState, dst: int, key: Hashable, value: Any, detach: bool,
     step.mailboxes[dst].put(key, Message(spec, constants, parcel, flags))
 
 
-def post_grads(step: StepState, dst: int, key: Hashable,
+def post_grads(step: Any, dst: int, key: Hashable,
                grads: Sequence[Optional[torch.Tensor]]) -> None:
     """Ship gradients (a flat list, ``None`` kept) to virtual stage ``dst`` under ``key``."""
     parcel = ship(grads, step.stages[dst].device)
     step.mailboxes[dst].put(key, Message(None, [], parcel, []))
 
 
-def take(step: StepState, stage: Any, key: Hashable) -> Message:
+def take(step: Any, stage: Any, key: Hashable) -> Message:
     """The message under ``key`` in ``stage``'s mailbox, its tensors landed on its device."""
     message = step.mailboxes[stage.index].take(key)
     message.parcel.tensors = land(message.parcel, stage.device)
