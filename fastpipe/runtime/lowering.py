@@ -121,7 +121,8 @@ def _split(program: Sequence[Any]) -> List[Tuple[Action, List[Comm], List[Comm]]
 def _route(schedule: Schedule, stage: int, action: Action, receives: List[Comm],
            sends: List[Comm], receive_ops: Dict[Comm, Comm]) -> Route:
     v = schedule.virtual_stage_of(action)
-    keys = [receive_ops[comm.counterpart(stage)] for comm in sends]  # the receive ops they match
+    keys = [comm.counterpart(stage) for comm in sends]  # the receive ops they match
+    keys = [receive_ops.get(key, key) for key in keys]
     targets = [(key.virtual_stage, key) for key in keys]
     main_in = [c for c in receives if c.skip is None]
     main_out = [t for t in targets if t[1].skip is None]
