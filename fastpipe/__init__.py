@@ -7,13 +7,14 @@ process per stage under ``torchrun``; ``GPipe`` is torchgpipe's front door over 
 import torch  # noqa: F401  (loads libtorch before the native library needs it)
 
 from . import amp, balance, batchnorm, memory, microbatch, ops, schedule, schedules, skip, tied
-from . import distributed, models, nn
+from . import distributed, models, nn, tracing
 from ._native import FastpipeNativeWarning
 from .checkpoint import is_checkpointing, is_recomputing
 from .distributed import DistributedPipe, init_mesh
 from .doctor_report import Diagnosis, doctor
 from .errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
                      ProcessGroupError, StageFailure)
+from .frontdoor import UncertainWeighting
 from .info import format_info, info
 from .ops import reference_transfer, transfer
 from .pipe import Pipe
@@ -26,8 +27,10 @@ __version__ = "0.1.0"
 __all__ = [
     "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "GPipe",
     "LossFunctionError", "Pipe", "PipelineAborted", "PipelineError", "PipelineTimeout",
-    "ProcessGroupError", "Schedule", "ScheduleError", "StageFailure", "amp", "balance",
+    "ProcessGroupError", "Schedule", "ScheduleError", "StageFailure", "UncertainWeighting",
+    "amp", "balance",
     "batchnorm", "distributed", "doctor", "format_info", "get_schedule", "info", "init_mesh",
     "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
-    "profile", "reference_transfer", "schedule", "schedules", "skip", "tied", "transfer",
+    "profile", "reference_transfer", "schedule", "schedules", "skip", "tied", "tracing",
+    "transfer",
 ]

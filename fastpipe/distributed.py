@@ -14,6 +14,7 @@ averaged across replicas, each stage's as soon as its last backward of the step 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -24,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import amp, batchnorm, microbatch, tied as tied_weights
+from . import amp, batchnorm, materialise, microbatch, tied as tied_weights, tracing
 from .runtime import adaptive, auto
 from .checkpoint import checkpoint_stop, draw_step_seed
 from .errors import PeerLost, PipelineAborted, PipelineError, ProcessGroupError
-from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
+from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments, warn_uneven_mean
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
                         layer_names, resolve_virtual_stages)
 from .runtime.board import Board, wait_work
@@ -39,6 +40,7 @@ from .runtime.stage import Stage
 from .runtime import stash
 from .runtime.stash import step_optimizer
 from .runtime.step import StepState
+from .runtime.token_mean import TokenMean
 from .runtime.tied_sync import TiedSync
 from .runtime import vitals
 from .runtime.trace import StepRecorder, Trace
@@ -98,6 +100,13 @@ class DistributedPipe(FrontDoor):
             on each; the copies start equal (broadcast from the first stage that uses it), their
             gradients are summed across those ranks at the end of every step, so identical
             optimizer steps keep them equal.
+        split_points, example_inputs: as in ``Pipe``: any ``nn.Module`` is traced on
+            ``example_inputs`` (every rank passes them) and cut at ``split_points``
+            (``fastpipe.tracing``); names and state dicts are the module's own.
+        init_weights: for a model built on the ``meta`` device, a function of one submodule
+            that initialises its own tensors (a Hugging Face model's ``_init_weights``); each
+            rank gives memory only to what its stages use (``fastpipe.materialise``). Default:
+            each submodule's ``reset_parameters()``.
     """
 
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
@@ -106,13 +115,20 @@ class DistributedPipe(FrontDoor):
                  data_parallel_group: Optional[Any] = None,
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
-                 tied: Sequence[Sequence[Any]] = ()) -> None:
+                 tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
+                 example_inputs: Optional[Any] = None,
+                 init_weights: Optional[Callable[[nn.Module], Any]] = None) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (under torchrun the "
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
+        traced = module if tracing.wanted(module, split_points) else None
+        if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
+            group = process_group if process_group is not None else dist.group.WORLD
+            count = dist.get_world_size(group) * resolve_virtual_stages(virtual_stages, schedule)
+            module = tracing.stages_of(traced, split_points, example_inputs, count, follow=False)
         layers = _check_layers(module)
         self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
         deferred = check_flag(deferred_batch_norm, "deferred_batch_norm")
@@ -148,17 +164,27 @@ class DistributedPipe(FrontDoor):
         kept: "OrderedDict[str, nn.Module]" = OrderedDict()
         keys = layer_names(module, len(layers))
         stages: List[Any] = []
+        init = materialise.check_init_weights(init_weights)
+        if isinstance(module, nn.Module):  # meta tensors this rank uses get memory, ties kept
+            new = materialise.materialise_used(
+                traced if traced is not None else module,
+                [layers[i] for k in range(p * v) if owner[k] == rank
+                 for i in range(starts[k], starts[k + 1])], self._device, init)
+            shared = [dataclasses.replace(w, parameter=new.get(id(w.parameter), w.parameter))
+                      for w in shared]
         for k in range(p * v):
             if owner[k] != rank:
                 stages.append(_RemoteStage(k, self._device))
                 continue
-            part = OrderedDict((keys[i], _materialise(layers[i], self._device))
+            part = OrderedDict((keys[i], _materialise(layers[i], self._device, init))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
             stages.append(Stage(k, nn.Sequential(part), self._device,
                                 deferred_batch_norm=deferred))
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
+        if traced is not None:  # this rank's parameters and buffers under the module's names
+            self.module = tracing.local_view(traced, self.module)
         object.__setattr__(self, "_stages", stages)
         object.__setattr__(self, "_local", [k for k in range(p * v) if owner[k] == rank])
         self._skips = {k: plan for k, plan in skips.items() if k in self._local}
@@ -269,15 +295,21 @@ class DistributedPipe(FrontDoor):
         step.checkpoint_stop = checkpoint_stop(self._checkpoint, len(sizes))
         step.split = schedule.split_backwards
         step.handlers = handlers
+        if handlers is None:  # (loss_sum, count) losses: counts travel in gradient headers
+            step.token_mean = self._executor.info.token_mean = TokenMean(self.parameters)
         self._last_actions = last_gradient_actions(schedule.actions[self._topology.stage],
                                                    schedule)
         self._run(schedule.actions, step, schedule)
         self._executor.confirm_step(self._timeout)  # no rank keeps a step another did not finish
-        loss = self._step_loss(step, len(sizes))
+        loss, count = self._step_loss(step, len(sizes))
         if self.chunk_search is not None and self.chunk_search.chosen is None:
             self.chunk_search.record(len(sizes), total, time.perf_counter() - start)
         if self._sync is not None:
             self._sync.finish()
+        if count is not None:  # the data-parallel average divided by the replicas already
+            step.token_mean.finish(count, scale=self._replicas())
+        elif loss_reduction == "mean" and len(set(sizes)) > 1 and has_targets:
+            warn_uneven_mean(sizes)
         self._tied.sum_gradients()
         if optimizer is not None and self._pipedream is None:
             if scaler is not None:
@@ -422,20 +454,34 @@ class DistributedPipe(FrontDoor):
             step.targets = microbatch.scatter(step.targets, sizes)
         return sizes
 
-    def _step_loss(self, step: StepState, m: int) -> torch.Tensor:
+    def _step_loss(self, step: StepState, m: int) -> Tuple[torch.Tensor, Optional[float]]:
         """The step's loss on every rank: the last stage's rank computed the micro-batch losses,
-        the others received them in the headers of their gradients (averaged over replicas)."""
+        the others received them in the headers of their gradients (averaged over replicas).
+        With ``(loss_sum, count)`` losses, the sums over the total count (over the replicas
+        too), which is also returned; else ``None``."""
         missing = [i for i in range(m) if i not in step.losses]
         if missing:
             raise PipelineError(f"rank {self._topology.rank}: the losses of micro-batches "
                                 f"{missing} never arrived with their gradients")
         total = math.fsum(float(step.losses[i]) for i in range(m))  # the same sum everywhere
-        loss = torch.tensor(total, dtype=step.losses[0].dtype, device=self._device)
-        if self._data_group is not None and dist.get_world_size(self._data_group) > 1:
-            work = dist.all_reduce(loss, group=self._data_group, async_op=True)
+        token_mean = step.token_mean
+        counted = token_mean is not None and token_mean.active
+        values = [total, token_mean.total()] if counted else [total]
+        sums = torch.tensor(values, dtype=torch.float64, device=self._device)
+        if self._replicas() > 1:
+            work = dist.all_reduce(sums, group=self._data_group, async_op=True)
             wait_work(work, self._timeout, "the data-parallel loss average", self._board)
-            loss /= dist.get_world_size(self._data_group)
-        return loss
+        dtype = step.losses[0].dtype
+        if counted:
+            count = float(sums[1])
+            return (sums[0] / count if count > 0 else sums[0] * 0).to(dtype), count
+        return (sums[0] / self._replicas()).to(dtype), None
+
+    def _replicas(self) -> int:
+        """Data-parallel replicas of this rank's stage (1 without data parallelism)."""
+        if self._data_group is None:
+            return 1
+        return dist.get_world_size(self._data_group)
 
     def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
         if self._sync is not None and action in self._last_actions:
@@ -528,33 +574,16 @@ def _balance(module: Any, layers: List[Any], balance: Optional[Sequence[int]],
     return values
 
 
-def _materialise(layer: Any, device: torch.device) -> nn.Module:
+def _materialise(layer: Any, device: torch.device, init_weights: Any) -> nn.Module:
     """A kept layer on ``device``: built (factories), allocated (meta) or moved."""
     if not isinstance(layer, nn.Module):
         layer = layer()
         if not isinstance(layer, nn.Module):
             raise TypeError(f"a layer factory returned {type(layer).__name__}, not an nn.Module")
-    tensors = itertools.chain(layer.parameters(), layer.buffers())
-    if any(t.is_meta for t in tensors):
-        layer.to_empty(device=device)
-        for sub in layer.modules():
-            _reset(sub)
+    if materialise.is_meta(layer):
+        materialise.materialise_layer(layer, device, init_weights)
         return layer
     return layer.to(device)
-
-
-def _reset(module: nn.Module) -> None:
-    """Initialise a module materialised from the meta device with its own initialiser."""
-    for name in ("reset_parameters", "_reset_parameters"):
-        reset = getattr(module, name, None)
-        if callable(reset):
-            reset()
-            return
-    own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-    if own:
-        raise TypeError(f"{type(module).__name__} was built on the meta device but has no "
-                        f"reset_parameters() to initialise its own tensors; give it one, or pass "
-                        f"layer factories instead of a meta model")
 
 
 def _resolve_device(device: Optional[Union[str, torch.device]], group: Any) -> torch.device:

@@ -9,7 +9,8 @@ their plain names), and says how many physical stages it has.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, List, Optional, Tuple
+import warnings
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -136,3 +137,33 @@ class FrontDoor(nn.Module):
         """The state under the plain module's names (its keys, or this rank's share of them)."""
         return self.module.state_dict(*args, **kwargs)
 
+
+
+def step_loss(step: Any, count: int, sizes: Sequence[int], loss_reduction: str) -> torch.Tensor:
+    """The step's loss from its ``count`` micro-batch losses. With ``(loss_sum, count)`` losses,
+    their sum over the total count, and the step's gradients divided by that total
+    (``fastpipe.runtime.token_mean``); otherwise their (weighted) sum, with a warning, once, when
+    a mean-reduced loss meets micro-batches of different sizes."""
+    loss = torch.stack([step.losses[i] for i in range(count)]).sum()
+    token_mean = step.token_mean
+    if token_mean is not None and token_mean.active:
+        total = token_mean.total()
+        token_mean.finish(total)
+        return loss / total if total > 0 else loss * 0.0
+    if loss_reduction == "mean" and len(set(sizes)) > 1:
+        warn_uneven_mean(sizes)
+    return loss
+
+
+def warn_uneven_mean(sizes: Sequence[int]) -> None:
+    """Once per process: a mean loss over micro-batches of different sizes is weighted by
+    size, exact for a mean over samples but not for a mean over tokens (padding excluded)."""
+    warnings.warn(f"micro-batches of different sizes ({list(sizes)}) with a mean loss: each "
+                  f"micro-batch's loss is weighted by its share of the samples, which is exact "
+                  f"for a mean over samples; for a mean over tokens (padding excluded) return "
+                  f"(loss_sum, token_count) from loss_fn instead", UncertainWeighting,
+                  stacklevel=3)
+
+
+class UncertainWeighting(UserWarning):
+    """A mean loss over micro-batches of different sizes (see ``warn_uneven_mean``)."""

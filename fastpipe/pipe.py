@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import torch
 from torch import nn
 
-from . import amp, batchnorm, microbatch, tied as tied_weights
+from . import amp, batchnorm, microbatch, tied as tied_weights, tracing
 from .checkpoint import checkpoint_stop, draw_step_seed
-from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments
+from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments, step_loss
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
                         check_flag, check_materialised, check_module, check_timeout,
                         check_workers, default_partitions, resolve_devices,
@@ -26,6 +26,7 @@ from .runtime.stage import Stage
 from .skip import exchange as skip_exchange, layout as skip_layout
 from .runtime import adaptive, auto, graphs
 from .runtime.step import StepState
+from .runtime.token_mean import TokenMean
 from .runtime import vitals
 from .runtime.trace import StepRecorder, Trace
 from .runtime.workers import WorkerPolicy
@@ -80,6 +81,13 @@ class Pipe(FrontDoor):
             eagerly, with one warning each.
         vertical_sync: with ``schedule='pipedream'``, run each micro-batch on every stage with
             the weight version stage 0 gave it (see ``fastpipe.runtime.stash``).
+        split_points: for any ``nn.Module`` (or to cut an ``nn.Sequential`` by submodule
+            names): submodule names, each beginning a stage, or ``'auto'`` (the largest list of
+            repeated blocks, cut into ``len(devices) * virtual_stages`` stages). The module is
+            traced with ``torch.export`` (``fastpipe.tracing``); names, ties, inputs and outputs
+            stay the module's own.
+        example_inputs: the batch the module is traced on (a tensor, a tuple of positional
+            inputs, a dict of keyword inputs); required for a module other than a Sequential.
     """
 
     def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,
@@ -88,8 +96,16 @@ class Pipe(FrontDoor):
                  schedule: str = "gpipe", *, virtual_stages: Optional[int] = None,
                  timeout: float = 300.0, cpu_workers: Optional[int] = None,
                  deferred_batch_norm: bool = False, tied: Sequence[Sequence[Any]] = (),
-                 vertical_sync: bool = False, cuda_graphs: bool = False) -> None:
+                 vertical_sync: bool = False, cuda_graphs: bool = False,
+                 split_points: Optional[Any] = None, example_inputs: Optional[Any] = None) -> None:
         super().__init__()
+        traced = module if tracing.wanted(module, split_points) else None
+        if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
+            check_materialised(traced)
+            module, balance = tracing.stages_of(
+                traced, split_points, example_inputs,
+                tracing.stage_count(devices, resolve_virtual_stages(virtual_stages,
+                                                                    schedule))), None
         module = check_module(module)
         check_materialised(module)
         self._auto_chunks = isinstance(chunks, str) and chunks == "auto"
@@ -140,6 +156,8 @@ class Pipe(FrontDoor):
         if use_graphs:
             graphs.enable(self._stages)
         self._pipedream = stash.PipeDream(self._stages, vertical_sync) if asynchronous else None
+        if traced is not None:
+            self.module = traced  # names, state dicts and modes are the traced module's
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
         object.__setattr__(self, "_trace", None)
 
@@ -216,21 +234,26 @@ class Pipe(FrontDoor):
         step.split = schedule.split_backwards
         if self._pipedream is not None:
             step.handlers = self._pipedream.handlers(optimizer)
+        else:
+            step.token_mean = TokenMean(self.parameters)
         self._run(schedule.actions, step, schedule)
+        loss = step_loss(step, len(sizes), sizes, loss_reduction)
         if optimizer is not None and self._pipedream is None:
             stash.step_optimizer(optimizer, scaler)
         self._measured(total, start)
         vitals.finish_step(self, step, total, start)
-        return torch.stack([step.losses[i] for i in range(len(sizes))]).sum()
+        return loss
 
-    def forward(self, inputs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the batch through the stages (the forward actions of the pipe's schedule); the
-        output is on the last stage's device.
+        output is on the last stage's device. A traced module takes its own positional and
+        keyword inputs (``pipe(input_ids=..., attention_mask=...)``).
 
         When grad is enabled the output is connected to every stage's parameters, so
         ``loss_fn(pipe(x), y).backward()`` works as with the plain module (the backward then runs
         in autograd's order, as in GPipe).
         """
+        inputs = args[0] if len(args) == 1 and not kwargs else tracing.Call(args, kwargs)
         total = microbatch.batch_size(inputs, argument="inputs")
         sizes = self._split(total, self._chunks)
         schedule = self.plan(len(sizes))
@@ -241,7 +264,7 @@ class Pipe(FrontDoor):
         self._run(schedule.forward_actions, step, schedule)
         return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
 
-    def evaluate(self, inputs: Any) -> Any:
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Inference: the forward pass in eval mode (dropout off, batch norms use their running
         statistics) without autograd, so nothing is checkpointed, recomputed or kept for a
         backward. The modules' train/eval modes are restored afterwards."""
@@ -249,7 +272,7 @@ class Pipe(FrontDoor):
         self.eval()
         try:
             with torch.no_grad():
-                return self(inputs)
+                return self(*args, **kwargs)
         finally:
             for m, training in modes:
                 m.training = training

@@ -183,8 +183,12 @@ class WithCopies:
         if not tapped and self.own and all(p.device == self.device
                                            for p in self.params.values()):
             return self.module(inputs)  # the module's own parameters, where they are
-        copies = {name: (_Tap.apply(p, sums.total(self.stage, p)) if tapped else p)
-                  .to(self.device) for name, p in self.params.items()}
+        made: Dict[int, torch.Tensor] = {}  # one copy per parameter, whatever its names
+        for p in self.params.values():
+            if id(p) not in made:
+                made[id(p)] = (_Tap.apply(p, sums.total(self.stage, p)) if tapped
+                               else p).to(self.device)
+        copies = {name: made[id(p)] for name, p in self.params.items()}
         return torch.func.functional_call(self.module, copies, (inputs,), strict=False)
 
 

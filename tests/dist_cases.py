@@ -131,7 +131,50 @@ def data_parallel(schedule: str = "1f1b", steps: int = 2) -> Dict:
         opt.step()
         opt_ref.step()
         losses.append(loss.item())
+    x, targets = padded(12)  # a token-mean step: counts differ between the replicas' halves
+    ref_loss = token_mean_of(plain, x, targets)
+    plain.zero_grad(set_to_none=True)
+    ref_loss.backward()
+    half = slice(6 * replica, 6 * replica + 6)
+    opt.zero_grad(set_to_none=True)
+    loss = pipe.train_step(x[half], (targets[0][half], targets[1][half]), token_loss)
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    check_grads(pipe, {n: p.grad for n, p in plain.named_parameters()}, "data-parallel tokens")
     return {"losses": losses}
+
+
+def padded(batch: int, seed: int = 3) -> tuple:
+    """Inputs and (targets, mask): a different number of counted positions per sample."""
+    x, y = data(batch, seed)
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, y.shape[1] + 1, (batch,), generator=generator)
+    return x, (y, (torch.arange(y.shape[1]) < lengths[:, None]).float())
+
+
+def token_loss(out: torch.Tensor, targets: tuple) -> tuple:
+    y, mask = targets
+    return ((out - y) ** 2 * mask).sum(), mask.sum()
+
+
+def token_mean_of(plain: nn.Module, x: torch.Tensor, targets: tuple) -> torch.Tensor:
+    total, count = token_loss(plain(x), targets)
+    return total / count
+
+
+def token_mean(schedules: List[List[Any]]) -> Dict:
+    """(loss_sum, count) losses across ranks: the loss and the gradients are the plain model's
+    mean over every counted position of the batch."""
+    for name, v, mode in schedules:
+        plain = model(depth=max(8, 2 * dist.get_world_size() * v))
+        x, targets = padded(10)
+        ref_loss = token_mean_of(plain, x, targets)
+        ref_loss.backward()
+        pipe = DistributedPipe(model(depth=max(8, 2 * dist.get_world_size() * v)), chunks=4,
+                               schedule=name, virtual_stages=v, checkpoint=mode, timeout=30)
+        loss = pipe.train_step(x, targets, token_loss)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        check_grads(pipe, {n: p.grad for n, p in plain.named_parameters()}, f"{name} tokens")
+    return {"ok": True}
 
 
 class Trim(nn.Module):
@@ -278,6 +321,54 @@ def blame(kind: str, failing_rank: int, schedule: str = "1f1b", timeout: float =
                 "seconds": time.monotonic() - start,
                 "untouched": all(torch.equal(a, p) for a, p in zip(before, pipe.parameters()))}
     return {"error": None, "loss": float(loss)}
+
+
+def traced_gpt2(schedules: List[List[Any]]) -> Dict:
+    """A Hugging Face GPT-2, untouched, across ranks (split_points='auto'): loss and every local
+    gradient (the tied embedding's included) equal the plain model's, under its own names."""
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=4, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, use_cache=False, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50, (7, 8), generator=generator)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(7, 8, dtype=torch.long)}
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config)
+
+    def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    plain = build()
+    ref_loss = lm_loss(plain(**inputs), ids)
+    ref_loss.backward()
+    expected = {n: p.grad for n, p in plain.named_parameters()}
+    names = []
+    for name, v, mode in schedules:
+        pipe = DistributedPipe(build(), chunks=4 if v == 1 else 2, schedule=name,
+                               virtual_stages=v, checkpoint=mode, split_points="auto",
+                               example_inputs=inputs, timeout=60)
+        loss = pipe.train_step(inputs, ids, lm_loss)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        for n, p in pipe.named_parameters():
+            torch.testing.assert_close(p.grad, expected[n], **TOL, msg=lambda m: f"{n}: {m}")
+        pipe.load_state_dict(plain.state_dict())  # a plain checkpoint loads as it is
+        names = sorted(n for n, _ in pipe.named_parameters())
+    with torch.device("meta"):  # a large model: each rank gives memory to its stage only
+        meta = transformers.GPT2LMHeadModel(config)
+    pipe = DistributedPipe(meta, chunks=4, split_points="auto", example_inputs=inputs,
+                           init_weights=meta._init_weights, timeout=60)
+    pipe.load_state_dict(plain.state_dict())
+    loss = pipe.train_step(inputs, ids, lm_loss)
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], **TOL, msg=lambda m: f"meta {n}: {m}")
+    still_meta = sum(p.is_meta for p in meta.parameters())
+    return {"names": names, "meta_left": still_meta}
 
 
 def bad_targets() -> Dict:
@@ -668,7 +759,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
-                                 loss_checks, detached_loss,
+                                 loss_checks, detached_loss, traced_gpt2, token_mean,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
                                  auto_chunks, auto_schedule, traced, doctored, pipedream,
                                  meta_and_factories, tied_weights,

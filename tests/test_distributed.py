@@ -41,6 +41,7 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
                                             ["zbv", 2, "always"]]}],
         ["compat", {}],
         ["loss_checks", {}],
+        ["token_mean", {"schedules": [["1f1b", 1, "except_last"], ["zbv", 2, "never"]]}],
     ]}))
     compat = [r["compat"] for r in results]
     assert "layer0.0.weight" in compat[0]["names"]["1f1b"]  # named children, tied across ranks
@@ -151,6 +152,16 @@ def test_a_rank_exiting_mid_step_fails_that_step_on_every_rank(world, failing, s
             f"rank {failing} exited" in message, describe(results)
         assert "during step 1" in message and r.result["untouched"], describe(results)
         assert r.result["seconds"] < 10.0, describe(results)
+
+
+def test_a_hugging_face_gpt2_untouched_across_ranks():
+    pytest.importorskip("transformers")
+    results = assert_all_ok(launch("traced_gpt2", 2, limit=240, args={
+        "schedules": [["1f1b", 1, "except_last"], ["interleaved", 2, "never"]]}))
+    first, last = (r["names"] for r in results)
+    assert "transformer.wte.weight" in first and "transformer.wte.weight" in last  # tied
+    assert "transformer.h.0.attn.c_attn.weight" in first and "lm_head.weight" not in last
+    assert all(r["meta_left"] > 0 for r in results)  # the other rank's layers stayed on meta
 
 
 def test_a_detached_loss_fails_every_rank_before_any_gradient():

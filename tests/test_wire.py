@@ -139,3 +139,9 @@ def test_last_gradient_actions_are_the_last_b_or_w_of_each_stage(name, v):
         later = schedule.actions[0][schedule.actions[0].index(action) + 1:]
         assert not any(schedule.virtual_stage_of(a) == stage and a.kind.value in "BW"
                        for a in later)
+
+
+def test_header_carries_a_token_count():
+    header = Header(1, 2, 0, 4, 8, 0, 0, 3, loss=2.5, count=17.0)
+    assert Header.decode(header.encode()).count == 17.0
+    assert Header.decode(Header(0, 0, 0, 1, 1, 0, 0, 0).encode()).count == -1.0  # none

@@ -115,6 +115,12 @@ class StepInfo:
     num_microbatches: int = 0
     batch_size: int = 0
     losses: Dict[int, Any] = field(default_factory=dict)  # micro-batch -> 0-dim tensor
+    token_mean: Optional[Any] = None  # a token_mean.TokenMean: counts of (loss_sum, count)
+
+    def count(self, microbatch: int) -> float:
+        """The micro-batch's count, with ``(loss_sum, count)`` losses (-1 otherwise)."""
+        counts = self.token_mean.counts if self.token_mean is not None else {}
+        return counts.get(microbatch, -1.0)
 
     def loss(self, microbatch: int) -> Tuple[float, torch.dtype]:
         """The micro-batch's loss as a number and its dtype (NaN when not known here)."""
@@ -174,7 +180,8 @@ class Outbox:
                         self.info.num_microbatches, self.info.batch_size,
                         0 if meta_data is None else meta_data.numel(),
                         0 if payload is None else payload.numel() * payload.element_size(),
-                        self.info.step, loss, loss_dtype)
+                        self.info.step, loss, loss_dtype,
+                        self.info.count(mb) if carries_loss(key) else -1.0)
         what = (f"{self.channels.name(kind)} of micro-batch {mb} to stage {self.virtual_stage} "
                 f"on rank {self.rank}")
         self._isend(header.encode().to(self.device), HEADER_TAG, what)
@@ -258,6 +265,8 @@ class Inbox:
         if carries_loss(key) and not math.isnan(header.loss):
             self.info.losses.setdefault(header.microbatch,
                                         torch.tensor(header.loss, dtype=header.loss_dtype))
+        if carries_loss(key) and header.count >= 0 and self.info.token_mean:
+            self.info.token_mean.count(header.microbatch, header.count)  # before any backward
         if self.remaining is not None:
             self.remaining -= 1
             if self.remaining > 0:

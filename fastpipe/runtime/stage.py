@@ -28,6 +28,10 @@ class Stage:
             torch.cuda.Stream(device) if device.type == "cuda" else None)
         self._norms = [m for m in module.modules()
                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        # what a recomputation must not update twice: running statistics of batch norms, and the
+        # buffers that traced graphs update in place (fastpipe.tracing)
+        self._running = [b for m in self._norms for b in _stats(m)] + [
+            b for m in module.modules() for b in getattr(m, "mutated_buffers", ())]
         # batch-norm running statistics updated once per mini-batch (see fastpipe.batchnorm)
         self.deferred: Optional[DeferredNorms] = (
             DeferredNorms(module) if deferred_batch_norm else None) or None
@@ -74,18 +78,17 @@ class Stage:
     def _keep_running_stats(self) -> Any:
         """While recomputing, leave batch-norm running statistics as the first forward left them
         (otherwise a checkpointed micro-batch would be counted twice)."""
-        if not self._norms or not is_recomputing():
+        if not self._running or not is_recomputing():
             yield
             return
-        saved = [[b.clone() for b in _stats(m)] for m in self._norms]
+        saved = [b.clone() for b in self._running]
         try:
             yield
         finally:
             # ``.data``: batch norm saves its running statistics for backward (which does not
             # read them in training mode); restoring through .data keeps their version counter.
-            for m, values in zip(self._norms, saved):
-                for buffer, value in zip(_stats(m), values):
-                    buffer.data.copy_(value)
+            for buffer, value in zip(self._running, saved):
+                buffer.data.copy_(value)
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, {len(self.module)} layers, {self.device})"

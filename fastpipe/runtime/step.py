@@ -19,6 +19,7 @@ from ..checkpoint import (backward_pairs, checkpointing, grad_pairs, microbatch_
                           recomputing)
 from .. import offload
 from ..errors import LossFunctionError
+from .token_mean import split_count
 from ..selective import run_stage
 from ..schedule import Action, ActionKind
 from .hop import land, ship
@@ -43,6 +44,7 @@ class StepState:
     targets: Optional[Sequence[Any]] = None
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
     loss_weights: Optional[Sequence[float]] = None
+    token_mean: Optional[Any] = None  # a token_mean.TokenMean: (loss_sum, count) losses allowed
     scaler: Optional[Any] = None  # a GradScaler: backward starts from the scaled loss
     abort: Abort = field(default_factory=Abort)
     split: AbstractSet[Tuple[int, int]] = frozenset()  # (stage, micro-batch) with a W
@@ -128,8 +130,18 @@ def _loss(step: StepState, stage: Stage, mb: int, output: Any) -> torch.Tensor:
                        f"{_shapes(output)} and targets {_shapes(targets)}: check that the "
                        f"targets match the model's output")
         raise
+    loss, count = split_count(loss, mb)
     check_loss(loss, mb)
-    return loss * step.loss_weights[mb]
+    if count is None:
+        if step.token_mean is not None and step.token_mean.active:
+            raise LossFunctionError(f"loss_fn returned a loss alone for micro-batch {mb} but "
+                                    f"(loss_sum, count) for others; return one form throughout")
+        return loss * step.loss_weights[mb]
+    if step.token_mean is None:
+        raise LossFunctionError("loss_fn returned (loss_sum, count), which this schedule cannot "
+                                "weight (PipeDream updates per micro-batch); return a loss")
+    step.token_mean.count(mb, count)
+    return loss  # sums are added; the step divides its gradient by the total count
 
 
 def check_loss(loss: Any, mb: int) -> None:

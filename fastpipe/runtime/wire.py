@@ -28,7 +28,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 MAGIC = 0x66_70_70_31  # "fpp1"
-HEADER_LEN = 11
+HEADER_LEN = 12
 # The dtypes a loss may have, by the code a header carries (the loss comes back in its own dtype).
 LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 ALIGN = 16  # bytes: every packed tensor starts at a multiple (any dtype can view it)
@@ -48,13 +48,14 @@ class Header:
     step: int
     loss: float = math.nan  # gradients carry their micro-batch's loss back to every rank
     loss_dtype: torch.dtype = torch.float32
+    count: float = -1.0  # with (loss_sum, count) losses: the micro-batch's count (else -1)
 
     def encode(self) -> torch.Tensor:
-        loss_bits = struct.unpack("<q", struct.pack("<d", self.loss))[0]
         return torch.tensor([MAGIC, self.kind, self.microbatch, self.dst_stage,
                              self.num_microbatches, self.batch_size, self.meta_nbytes,
-                             self.payload_nbytes, self.step, loss_bits,
-                             LOSS_DTYPES.index(self.loss_dtype)], dtype=torch.int64)
+                             self.payload_nbytes, self.step, _bits(self.loss),
+                             LOSS_DTYPES.index(self.loss_dtype), _bits(self.count)],
+                            dtype=torch.int64)
 
     @classmethod
     def decode(cls, values: torch.Tensor) -> "Header":
@@ -62,10 +63,19 @@ class Header:
         if len(raw) != HEADER_LEN or raw[0] != MAGIC:
             raise ValueError(f"corrupt pipeline message header {raw}: the ranks disagree on the "
                              f"schedule or another library uses the same tags")
-        loss = struct.unpack("<d", struct.pack("<q", raw[-2]))[0]
-        if not 0 <= raw[-1] < len(LOSS_DTYPES):
+        if not 0 <= raw[10] < len(LOSS_DTYPES):
             raise ValueError(f"corrupt pipeline message header {raw}: unknown loss dtype code")
-        return cls(*raw[1:-2], loss=loss, loss_dtype=LOSS_DTYPES[raw[-1]])
+        return cls(*raw[1:9], loss=_float(raw[9]), loss_dtype=LOSS_DTYPES[raw[10]],
+                   count=_float(raw[11]))
+
+
+def _bits(value: float) -> int:
+    """A float64's bits as an int64 (headers are int64 tensors)."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 @dataclass(frozen=True)

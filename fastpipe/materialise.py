@@ -1,0 +1,98 @@
+"""Large models: build on the ``meta`` device, give memory only to what this process keeps.
+
+A model built under ``torch.device('meta')`` has parameters with shapes but no storage. A
+``DistributedPipe`` rank materialises only its own stages: each submodule holding a tensor the
+rank uses is emptied onto the rank's device (``to_empty``) and initialised, by the user's
+``init_weights(submodule)`` (a Hugging Face model's ``_init_weights``, say) or else by the
+submodule's own ``reset_parameters()``. Parameters shared by several submodules (an embedding and
+the LM head) stay one parameter. Traced stages (``fastpipe.tracing``) are then pointed at the new
+tensors. Loading a checkpoint afterwards gives every rank the same weights.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+InitWeights = Optional[Callable[[nn.Module], Any]]
+
+
+def check_init_weights(init_weights: Any) -> InitWeights:
+    """``init_weights``: ``None`` or a function of one submodule."""
+    if init_weights is not None and not callable(init_weights):
+        raise TypeError(f"init_weights must be a function of one submodule (e.g. a Hugging Face "
+                        f"model's _init_weights), got {init_weights!r}")
+    return init_weights
+
+
+def initialise(module: nn.Module, init_weights: InitWeights) -> None:
+    """Initialise the tensors ``module`` holds itself (not its children's): ``init_weights``,
+    else its ``reset_parameters``; a module with tensors and neither is an error."""
+    if init_weights is not None:
+        init_weights(module)
+        return
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, name, None)
+        if callable(reset):
+            reset()
+            return
+    own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+    if own:
+        raise TypeError(f"{type(module).__name__} was built on the meta device but has no "
+                        f"reset_parameters() to initialise its own tensors; pass "
+                        f"init_weights=... (e.g. model._init_weights for a Hugging Face model), "
+                        f"or give it a reset_parameters(), or pass layer factories")
+
+
+def is_meta(module: nn.Module) -> bool:
+    """Whether any of the module's parameters or buffers lives on the meta device."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def materialise_layer(layer: nn.Module, device: torch.device, init_weights: InitWeights) -> None:
+    """A whole meta layer onto ``device``, every submodule initialised."""
+    layer.to_empty(device=device)
+    for sub in layer.modules():
+        initialise(sub, init_weights)
+
+
+def materialise_used(module: nn.Module, parts: Sequence[nn.Module], device: torch.device,
+                     init_weights: InitWeights) -> Dict[int, torch.Tensor]:
+    """Give memory on ``device`` to the meta tensors of ``module`` that ``parts`` (its layers, or
+    traced stages reading its tensors) use, initialise them, and point ``parts`` at them.
+    Returns the new tensors by the ``id`` of the meta ones they replace."""
+    used = {id(t) for part in parts for t in [*part.parameters(), *part.buffers()]}
+    homes: Dict[int, List[Tuple[nn.Module, str, bool]]] = {}  # old tensor -> where it lives
+    old: List[torch.Tensor] = []  # alive until the end: their ids must not be reused meanwhile
+    for sub in module.modules():
+        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) in used and tensor.is_meta:
+                    homes.setdefault(id(tensor), []).append((sub, name, is_param))
+                    old.append(tensor)
+    owners = list({id(sub): sub for places in homes.values() for sub, _, _ in places}.values())
+    for sub in owners:
+        sub.to_empty(device=device, recurse=False)
+    new: Dict[int, torch.Tensor] = {}
+    for key, places in homes.items():  # a tensor held in several places stays one tensor
+        first, name, _ = places[0]
+        new[key] = getattr(first, name)
+        for sub, other, _ in places[1:]:
+            setattr(sub, other, new[key])
+    for sub in owners:
+        initialise(sub, init_weights)
+    for part in parts:
+        _rebind(part, new)
+        part.to(device)  # the device constants of traced graphs follow
+    del old
+    return new
+
+
+def _rebind(part: nn.Module, new: Dict[int, torch.Tensor]) -> None:
+    """Point every attribute of ``part`` that held an old tensor at its new one."""
+    for sub in part.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is not None and id(tensor) in new:
+                    table[name] = new[id(tensor)]
