@@ -158,11 +158,10 @@ def step_loss(step: Any, count: int, sizes: Sequence[int], loss_reduction: str) 
 def warn_uneven_mean(sizes: Sequence[int]) -> None:
     """Once per process: a mean loss over micro-batches of different sizes is weighted by
     size, exact for a mean over samples but not for a mean over tokens (padding excluded)."""
-    warnings.warn(f"micro-batches of different sizes ({list(sizes)}) with a mean loss: each "
-                  f"micro-batch's loss is weighted by its share of the samples, which is exact "
-                  f"for a mean over samples; for a mean over tokens (padding excluded) return "
-                  f"(loss_sum, token_count) from loss_fn instead", UncertainWeighting,
-                  stacklevel=3)
+    warnings.warn("micro-batches of different sizes with a mean loss: each micro-batch's loss "
+                  "is weighted by its share of the samples, which is exact for a mean over "
+                  "samples; for a mean over tokens (padding excluded) return (loss_sum, "
+                  "token_count) from loss_fn instead", UncertainWeighting, stacklevel=3)
 
 
 class UncertainWeighting(UserWarning):

@@ -371,6 +371,34 @@ def traced_gpt2(schedules: List[List[Any]]) -> Dict:
     return {"names": names, "meta_left": still_meta}
 
 
+def dcp_round_trip(path: str) -> Dict:
+    """torch.distributed.checkpoint: a DistributedPipe's state (its own names, this rank's
+    share) saved at one layout loads at another, and into the plain model in one process."""
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(1)
+    plain = model()
+    pipe = DistributedPipe(model(), chunks=2, timeout=30)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    pipe.train_step(*data(6), nn.functional.mse_loss, optimizer=optimizer)  # weights moved
+    dcp.save(pipe.state_dict(), checkpoint_id=path)
+    other = DistributedPipe(model(), chunks=2, schedule="interleaved", virtual_stages=2,
+                            timeout=30)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state)
+    dist.barrier()
+    whole = plain.state_dict()
+    dcp.load(whole, checkpoint_id=path, no_dist=True)  # the plain model, in this process alone
+    plain.load_state_dict(whole)
+    mine = dict(pipe.named_parameters())
+    for name, p in other.named_parameters():
+        if name in mine:
+            torch.testing.assert_close(p, mine[name], rtol=0, atol=0)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(plain.get_parameter(name), p, rtol=0, atol=0)
+    return {"loaded": sorted(n for n, _ in other.named_parameters())}
+
+
 def bad_targets() -> Dict:
     """Targets with a batch size other than the inputs' fail on the last rank before any
     backward, and the first rank stops too."""
@@ -760,6 +788,7 @@ def several(cases: List[List[Any]]) -> Dict:
 
 CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
                                  loss_checks, detached_loss, traced_gpt2, token_mean,
+                                 dcp_round_trip,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
                                  auto_chunks, auto_schedule, traced, doctored, pipedream,
                                  meta_and_factories, tied_weights,

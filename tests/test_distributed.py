@@ -164,6 +164,12 @@ def test_a_hugging_face_gpt2_untouched_across_ranks():
     assert all(r["meta_left"] > 0 for r in results)  # the other rank's layers stayed on meta
 
 
+def test_distributed_checkpoint_moves_between_layouts_and_the_plain_model(tmp_path):
+    results = assert_all_ok(launch("dcp_round_trip", 2, limit=180,
+                                   args={"path": str(tmp_path / "ckpt")}))
+    assert len(results[0]["loaded"]) + len(results[1]["loaded"]) == 16  # every parameter
+
+
 def test_a_detached_loss_fails_every_rank_before_any_gradient():
     results = launch("detached_loss", 2, limit=120)
     assert all(r.result is not None for r in results), describe(results)
