@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from fastpipe.progress import progress
+from fastpipe.apps.progress import progress
 
 
 def time_interleaved(candidates: Dict[str, Callable[[], None]], rounds: int,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpipe.progress import progress
+from fastpipe.apps.progress import progress
 
 STAGES, WIDTH, LAYERS, BATCH, CHUNKS = 2, 1024, 8, 64, 8
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import fastpipe
 from _common import machine, median, table, time_interleaved
-from fastpipe import offload
+from fastpipe.policies import offload
 
 MODES = ("never", "always", "offload")
 

@@ -105,7 +105,7 @@ def gpu_ops(shape: Tuple[int, ...], rounds: int) -> None:
 
 def gpu_stage(rounds: int) -> None:
     """One pipeline stage of fused transformer blocks: step time and peak memory per mode."""
-    from fastpipe.models import Block
+    from fastpipe.apps.models import Block
     rows = []
     x, y = torch.randn(16, 512, 1024, device="cuda"), torch.randn(16, 512, 1024, device="cuda")
     for mode in ("never", "always", "selective"):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import fastpipe
 from fastpipe.distributed import DistributedPipe, init_mesh
-from fastpipe.models import counting_task, gpt, lm_loss
+from fastpipe.apps.models import counting_task, gpt, lm_loss
 from fastpipe.schedule import render
 
 

@@ -30,13 +30,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "schedule":
         return _schedule(rest)
     if command == "simulate":
-        from .cli_simulate import main as simulate
+        from .apps.cli_simulate import main as simulate
         return simulate(rest)
     if command == "doctor":
-        from .doctor_cli import main as diagnose
+        from .apps.doctor_cli import main as diagnose
         return diagnose(rest)
     if command == "demo":
-        from .demo import main as demo
+        from .apps.demo import main as demo
         demo(rest)
         return 0
     print(f"unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
@@ -47,7 +47,7 @@ def _info(argv: List[str]) -> int:
     """Print the versions, the native library's status and the accelerators found."""
     import argparse
 
-    from .info import format_info
+    from .apps.info import format_info
     argparse.ArgumentParser(prog="python -m fastpipe info",
                             description="Print the versions of Python, torch and fastpipe, "
                                         "the native library's status, and the CUDA devices "

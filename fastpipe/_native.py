@@ -12,7 +12,7 @@ import os
 import threading
 import warnings
 from types import ModuleType
-from typing import Optional
+from typing import Callable, List, Optional
 
 __all__ = ["FastpipeNativeWarning", "available", "load", "load_error", "module"]
 
@@ -29,6 +29,7 @@ _attempted = False  # set when the attempt starts (guards re-entry from the same
 _done = False  # set when the attempt, including Python-side registration, has finished
 _module: Optional[ModuleType] = None
 _error: Optional[str] = None
+_hooks: List[Callable[[], None]] = []  # run once the library has loaded (see when_loaded)
 
 
 def _disabled() -> bool:
@@ -64,8 +65,20 @@ def _attempt() -> None:
 
 
 def _register_python_side() -> None:
-    """Registers the ops' fake and autograd implementations, which live in Python."""
-    importlib.import_module("fastpipe.ops.registry").register_all()
+    """Runs the registrations waiting for the library (the ops' fake and autograd
+    implementations, which live in Python: ``fastpipe.ops`` adds them with ``when_loaded``)."""
+    for hook in _hooks:
+        hook()
+
+
+def when_loaded(hook: Callable[[], None]) -> None:
+    """Run ``hook`` once the native library has loaded: at once if it already has, else right
+    after it loads. Keeps this loader free of imports of the packages that use it."""
+    with _lock:
+        _hooks.append(hook)
+        ready = _done and _module is not None
+    if ready:
+        hook()
 
 
 def load() -> bool:

@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import amp, batchnorm, materialise, microbatch, tied as tied_weights, tracing
+from .policies import amp, batchnorm, tied as tied_weights
+from . import materialise, microbatch, tracing
 from .runtime import adaptive, auto
-from .checkpoint import checkpoint_stop, draw_step_seed
+from .policies.checkpoint import checkpoint_stop, draw_step_seed
 from .errors import PeerLost, PipelineAborted, PipelineError, ProcessGroupError
 from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments, warn_uneven_mean
 from .placement import (auto_balance, check_balance, check_chunks, check_flag, check_timeout,
@@ -37,8 +38,8 @@ from .runtime.dist_executor import DistributedExecutor, Topology, last_gradient_
 from .runtime.grad_sync import GradSync
 from .runtime.lowering import skip_links
 from .runtime.stage import Stage
-from .runtime import stash
-from .runtime.stash import step_optimizer
+from .runtime import weight_versions
+from .runtime.weight_versions import step_optimizer
 from .runtime.step import StepState
 from .runtime.token_mean import TokenMean
 from .runtime.tied_sync import TiedSync
@@ -195,7 +196,7 @@ class DistributedPipe(FrontDoor):
         self._sync = _grad_sync(data_parallel_group, self._board, self._timeout)
         self._tied = TiedSync(shared, owner, self._group, self._device, self._board,
                               self._timeout)
-        self._pipedream = (stash.PipeDream(stages) if self._schedule_name == "pipedream"
+        self._pipedream = (weight_versions.PipeDream(stages) if self._schedule_name == "pipedream"
                            else None)
         _check_asynchronous(self._pipedream, data_parallel_group, self._tied)
         self._tied.broadcast_initial()

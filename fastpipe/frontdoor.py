@@ -15,10 +15,11 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import microbatch, selective
-from .checkpoint import check_mode
+from . import microbatch
+from .policies import selective
+from .policies.checkpoint import check_mode
 from .runtime import adaptive
-from .runtime.stash import check_optimizer_argument
+from .runtime.weight_versions import check_optimizer_argument
 from .runtime.vitals import StepStats
 from .schedule import Schedule, get_schedule
 

@@ -14,14 +14,15 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import torch
 from torch import nn
 
-from . import amp, batchnorm, microbatch, tied as tied_weights, tracing
-from .checkpoint import checkpoint_stop, draw_step_seed
+from .policies import amp, batchnorm, tied as tied_weights
+from . import microbatch, tracing
+from .policies.checkpoint import checkpoint_stop, draw_step_seed
 from .frontdoor import FrontDoor, check_checkpoint, check_step_arguments, step_loss
 from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_chunks,
                         check_flag, check_materialised, check_module, check_timeout,
                         check_workers, default_partitions, resolve_devices,
                         resolve_virtual_stages, split)
-from .runtime import stash
+from .runtime import weight_versions
 from .runtime.stage import Stage
 from .skip import exchange as skip_exchange, layout as skip_layout
 from .runtime import adaptive, auto, graphs
@@ -47,9 +48,9 @@ class Pipe(FrontDoor):
             ``fastpipe.balance.by_time`` / ``by_size`` give profiled balances.
         checkpoint: ``'never'``, ``'except_last'`` (all micro-batches but the last recompute their
             forward in backward), ``'always'``, or ``'offload'`` (nothing recomputed: the tensors
-            saved for backward wait in host memory, see ``fastpipe.offload``), or ``'selective'``
-            (matrix-product outputs kept, everything else recomputed in backward, see
-            ``fastpipe.selective``).
+            saved for backward wait in host memory, see ``fastpipe.policies.offload``), or
+            ``'selective'`` (matrix-product outputs kept, everything else recomputed in backward,
+            see ``fastpipe.policies.selective``).
         schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
             ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``), or
             ``'auto'``: the first ``train_step`` runs 1F1B (looped BFS with virtual stages),
@@ -80,7 +81,7 @@ class Pipe(FrontDoor):
             ``fastpipe.runtime.graphs``). CPU stages, unusual inputs and failed captures run
             eagerly, with one warning each.
         vertical_sync: with ``schedule='pipedream'``, run each micro-batch on every stage with
-            the weight version stage 0 gave it (see ``fastpipe.runtime.stash``).
+            the weight version stage 0 gave it (see ``fastpipe.runtime.weight_versions``).
         split_points: for any ``nn.Module`` (or to cut an ``nn.Sequential`` by submodule
             names): submodule names, each beginning a stage, or ``'auto'`` (the largest list of
             repeated blocks, cut into ``len(devices) * virtual_stages`` stages). The module is
@@ -155,7 +156,8 @@ class Pipe(FrontDoor):
         skip_exchange.wire(self._stages, skips)
         if use_graphs:
             graphs.enable(self._stages)
-        self._pipedream = stash.PipeDream(self._stages, vertical_sync) if asynchronous else None
+        self._pipedream = (weight_versions.PipeDream(self._stages, vertical_sync) if asynchronous
+                           else None)
         if traced is not None:
             self.module = traced  # names, state dicts and modes are the traced module's
         object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
@@ -213,7 +215,7 @@ class Pipe(FrontDoor):
         not zero the gradients: call ``optimizer.zero_grad()`` before each step as usual. Under
         ``schedule='pipedream'`` it is required, and each stage steps it on its own parameters
         after every micro-batch's backward, with that micro-batch's gradient (``.grad`` then
-        holds the last one); see ``fastpipe.runtime.stash`` for the exact semantics.
+        holds the last one); see ``fastpipe.runtime.weight_versions`` for the exact semantics.
         """
         scaler = amp.check_scaler(scaler)
         check_step_arguments(loss_fn, loss_reduction, optimizer, self._pipedream is not None,
@@ -239,7 +241,7 @@ class Pipe(FrontDoor):
         self._run(schedule.actions, step, schedule)
         loss = step_loss(step, len(sizes), sizes, loss_reduction)
         if optimizer is not None and self._pipedream is None:
-            stash.step_optimizer(optimizer, scaler)
+            weight_versions.step_optimizer(optimizer, scaler)
         self._measured(total, start)
         vitals.finish_step(self, step, total, start)
         return loss

@@ -1,4 +1,4 @@
-"""Any ``nn.Module`` as a pipeline: trace it with ``torch.export``, cut the graph at named submodules.
+"""Any ``nn.Module`` as a pipeline: traced with ``torch.export``, cut at named submodules.
 
 ``split(module, split_points, example)`` traces the module on example inputs (keyword inputs and
 any pytree included), assigns every operation of the graph to a stage by the submodule it runs

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fastpipe
-from fastpipe import amp
+from fastpipe.policies import amp
 
 from helpers import assert_same_grads, grads_of, mlp, reference
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe.batchnorm import DeferredNorms
+from fastpipe.policies.batchnorm import DeferredNorms
 
 from helpers import assert_same_grads, grads_of
 

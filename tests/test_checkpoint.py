@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe.checkpoint import MODES, RngReplay, checkpoint_stop
+from fastpipe.policies.checkpoint import MODES, RngReplay, checkpoint_stop
 from helpers import assert_same_grads, grads_of
 
 

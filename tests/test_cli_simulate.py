@@ -6,7 +6,7 @@ import re
 import pytest
 
 from fastpipe.__main__ import main as fastpipe_main
-from fastpipe.cli_simulate import closed_form, main
+from fastpipe.apps.cli_simulate import closed_form, main
 from fastpipe.schedule import SCHEDULES
 from fastpipe.schedule.simulator import Costs
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from fastpipe.demo import main, table
+from fastpipe.apps.demo import main, table
 from fastpipe.memory import SavedActivationMeter, format_bytes
-from fastpipe.progress import LineProgress, progress
+from fastpipe.apps.progress import LineProgress, progress
 
 
 def test_demo_reports_table_bubble_memory_and_picture(capsys, tmp_path):

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from fastpipe.doctor_findings import Memory
-from fastpipe.doctor_io import DoctorInputError, StepContext, load_trace
-from fastpipe.doctor_report import doctor
-from fastpipe.doctor_split import CATEGORIES
+from fastpipe.diagnosis.findings import Memory
+from fastpipe.schedule.trace_file import StepContext, TraceFileError, load_trace
+from fastpipe.diagnosis.report import doctor
+from fastpipe.diagnosis.split import CATEGORIES
 from fastpipe.schedule import get_schedule, render
 from fastpipe.schedule.simulator import Costs, simulate
 from fastpipe.schedule.timeline import Event, Timeline
@@ -177,20 +177,20 @@ def test_a_saved_trace_reads_back_with_its_context(tmp_path):
 def test_foreign_or_truncated_traces_are_refused(tmp_path, content, words):
     path = tmp_path / "trace.json"
     path.write_text(content)
-    with pytest.raises(DoctorInputError, match=words):
+    with pytest.raises(TraceFileError, match=words):
         load_trace(path)
 
 
 def test_unusable_timelines_are_refused():
-    with pytest.raises(DoctorInputError, match="one stage|1 stage"):
+    with pytest.raises(TraceFileError, match="one stage|1 stage"):
         doctor(Timeline.from_intervals(1, [(0, "0F0", 0.0, 1.0)]))
-    with pytest.raises(DoctorInputError, match="empty"):
+    with pytest.raises(TraceFileError, match="empty"):
         doctor(Timeline(2, (), "measured", "s"))
-    with pytest.raises(DoctorInputError, match="Trace"):
+    with pytest.raises(TraceFileError, match="Trace"):
         doctor("trace.json")
-    with pytest.raises(DoctorInputError, match="entries"):
+    with pytest.raises(TraceFileError, match="entries"):
         doctor(measured(chunks=4), memory=[1.0, 2.0])
-    with pytest.raises(DoctorInputError, match="peak bytes per stage"):
+    with pytest.raises(TraceFileError, match="peak bytes per stage"):
         doctor(measured(chunks=4), memory="lots")
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import fastpipe
 from fastpipe import Pipe
-from fastpipe.doctor_cli import main as doctor_main
+from fastpipe.apps.doctor_cli import main as doctor_main
 from fastpipe.runtime import labels
 from fastpipe.schedule import render
 from fastpipe.schedule.timeline import Timeline

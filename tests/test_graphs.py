@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe.checkpoint import recomputing
+from fastpipe.policies.checkpoint import recomputing
 from fastpipe.runtime import graphs
 from fastpipe.runtime.graphs import FastpipeGraphWarning, GraphedCall, signature
 from helpers import assert_same_grads, grads_of, mlp, reference

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastpipe import _native
-from fastpipe.info import format_info, info
+from fastpipe.apps.info import format_info, info
 
 # The package re-exports the function `transfer`, which shadows the submodule attribute.
 transfer_mod = importlib.import_module("fastpipe.ops.transfer")

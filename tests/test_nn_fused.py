@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpipe import nn as fnn
-from fastpipe.models import gpt
+from fastpipe.apps.models import gpt
 from helpers import assert_same_grads, grads_of
 
 

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe import _native, offload
-from fastpipe.checkpoint import MODES, checkpoint_stop
+from fastpipe import _native
+from fastpipe.policies import offload
+from fastpipe.policies.checkpoint import MODES, checkpoint_stop
 from fastpipe.ops.pinned_pool import GRANULE, ReferencePool, host_pool
 from helpers import assert_cuda_steps_exact, assert_same_grads, grads_of, mlp, reference
 

@@ -13,9 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastpipe
 from fastpipe import nn as fnn
-from fastpipe.checkpoint import is_recomputing
+from fastpipe.policies.checkpoint import is_recomputing
 from fastpipe.schedule import SCHEDULES
-from fastpipe.selective import selective_checkpoint
+from fastpipe.policies.selective import selective_checkpoint
 from helpers import assert_same_grads, grads_of, mlp, reference
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2)]

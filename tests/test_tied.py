@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe.tied import WithCopies, find
+from fastpipe.policies.tied import WithCopies, find
 from helpers import assert_same_grads, grads_of, reference
 
 VOCAB, DIM = 11, 6

@@ -37,6 +37,6 @@ def _register_fused() -> None:
 
 
 def register_all() -> None:
-    """Registers the Python side of every C++ operator (called once the library loaded)."""
-    importlib.import_module("fastpipe.ops.transfer").register_python_impls()
+    """Registers the Python side of the fused C++ operators (called once the library loaded;
+    the transfer op registers its own, see ``fastpipe.ops.transfer``)."""
     _register_fused()

@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-from ..batchnorm import tracked_norms
-from ..checkpoint import is_checkpointing, is_recomputing
+from ..policies.batchnorm import tracked_norms
+from ..policies.checkpoint import is_checkpointing, is_recomputing
 
 __all__ = ["DEFAULT_MAX_SIGNATURES", "FastpipeGraphWarning", "GraphedCall", "after_step",
            "before_step", "enable", "signature"]

@@ -7,9 +7,9 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from ..amp import autocast_regions, autocast_state
-from ..batchnorm import DeferredNorms
-from ..checkpoint import RngReplay, checkpointed, is_recomputing
+from ..policies.amp import autocast_regions, autocast_state
+from ..policies.batchnorm import DeferredNorms
+from ..policies.checkpoint import RngReplay, checkpointed, is_recomputing
 
 
 _NO_STREAM = contextlib.nullcontext()  # reusable: CPU stages enter it for every action

@@ -14,13 +14,13 @@ from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, T
 
 import torch
 
-from ..amp import autocast_regions, autocast_state, scale_loss
-from ..checkpoint import (backward_pairs, checkpointing, grad_pairs, microbatch_seed,
-                          recomputing)
-from .. import offload
+from ..policies.amp import autocast_regions, autocast_state, scale_loss
+from ..policies.checkpoint import (backward_pairs, checkpointing, grad_pairs, microbatch_seed,
+                                   recomputing)
+from ..policies import offload
 from ..errors import LossFunctionError
 from .token_mean import split_count
-from ..selective import run_stage
+from ..policies.selective import run_stage
 from ..schedule import Action, ActionKind
 from .hop import land, ship
 from .lowering import Place, Route
@@ -189,7 +189,7 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
     checkpoint = step.grad_enabled and mb < step.checkpoint_stop
     if not step.train:
         output = (stage.forward(inputs, seed, True) if checkpoint
-                  else run_stage(step.checkpoint_mode, stage, inputs, seed))  # fastpipe.selective
+                  else run_stage(step.checkpoint_mode, stage, inputs, seed))  # selective policy
         output, _ = _skips_out(step, stage, mb, output, False)
         if route.output is None:  # the last stage keeps the output
             step.outputs[mb] = output
@@ -205,7 +205,7 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
                 step.losses[mb] = _loss(step, stage, mb, output).detach()
     else:
         with offload.forward_context(step.checkpoint_mode, stage, mb, boundary):
-            output = run_stage(step.checkpoint_mode, stage, inputs, seed)  # fastpipe.selective
+            output = run_stage(step.checkpoint_mode, stage, inputs, seed)  # selective policy
             output, stashed = _skips_out(step, stage, mb, output, False)
             held = Held(boundary, outputs=_backprop_roots(step, stage, mb, output) + stashed)
     step.saved[(stage.index, mb)] = held

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..doctor_io import StepContext, merge_chrome_traces
+from ..schedule.trace_file import StepContext, merge_chrome_traces
 from ..errors import PipelineTimeout
 from ..schedule import Action
 from ..schedule.render import chrome_trace

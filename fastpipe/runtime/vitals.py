@@ -4,9 +4,9 @@ step context the doctor needs when the step is traced.
 Both front doors call :func:`finish_step` once at the end of every training step. It keeps the
 step's samples/s, wall time and measured bubble share (from the seconds each worker spent in
 actions, which the executor counts anyway), and, inside ``pipe.trace()``, records the step's
-:class:`~fastpipe.doctor_io.StepContext`: when it began waiting for its input, when it returned,
-its schedule, balance and batch size. Under a profiler that records only the calling thread, it
-warns that the stage workers' ranges are missing.
+:class:`~fastpipe.schedule.trace_file.StepContext`: when it began waiting for its input, when it
+returned, its schedule, balance and batch size. Under a profiler that records only the calling
+thread, it warns that the stage workers' ranges are missing.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..doctor_io import StepContext
+from ..schedule.trace_file import StepContext
 from ..placement import worker_groups
 from . import labels
 from .step import StepState

@@ -23,11 +23,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from operator import attrgetter
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from .simulator import Costs, SimulationResult
     from .validate import ValidationReport
+
+ANALYSES: dict[str, Callable[..., Any]] = {}
+"""``Schedule.validate`` and ``Schedule.simulate`` by name: the validator and the simulator
+register themselves here when imported (the package imports both), so that this module, which
+they import, imports neither of them."""
 
 __all__ = [
     "ActionKind",
@@ -491,15 +496,11 @@ class Schedule:
     def validate(self, *, comm: str = "rendezvous") -> ValidationReport:
         """Check this schedule (see :func:`fastpipe.schedule.validate.validate`); ``comm`` is the
         deadlock model, ``"rendezvous"`` (unbuffered sends) or ``"buffered"``."""
-        from .validate import validate  # deferred: validate imports this module
-
-        return validate(self, comm=comm)
+        return ANALYSES["validate"](self, comm=comm)
 
     def simulate(self, costs: Costs | None = None, **kw: object) -> SimulationResult:
         """Time this schedule under ``costs`` (see :func:`fastpipe.schedule.simulator.simulate`)."""
-        from .simulator import simulate  # deferred: the simulator imports this module
-
-        return simulate(self, costs, **kw)
+        return ANALYSES["simulate"](self, costs, **kw)
 
 
 def _split_row(row: str | Iterable[str]) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
-from . import ASYNCHRONOUS, SCHEDULES, get_schedule
+from .registry import ASYNCHRONOUS, SCHEDULES, get_schedule
 from .ir import Schedule, check_count
 from .simulator import Costs, simulate
 

@@ -27,8 +27,10 @@ from dataclasses import dataclass, fields, replace
 from itertools import repeat
 from typing import Sequence, Union
 
-from .ir import F, W, Action, Group, Schedule, ScheduleError, gc_paused, _new_object, _set
+from .ir import ANALYSES, F, W, Action, Group, Schedule, ScheduleError, gc_paused
 from .timeline import Event, Timeline
+
+_new_object, _set = object.__new__, object.__setattr__  # events built without their checks
 
 __all__ = ["Costs", "SimulationResult", "simulate"]
 
@@ -153,6 +155,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, **overrides: Cost) 
         timeline = Timeline(schedule.num_stages, _events(schedule, costs), "simulated", "units")
         memory = _peak_memory(schedule, activation, timeline)
     return SimulationResult(schedule, costs, timeline, memory)
+
+
+ANALYSES["simulate"] = simulate
 
 
 def _events(schedule: Schedule, costs: Costs) -> tuple[Event, ...]:

@@ -34,7 +34,7 @@ from itertools import accumulate, repeat
 from operator import attrgetter, gt
 from typing import Sequence, Union
 
-from .ir import Action, ActionKind, Schedule, ScheduleError, gc_paused
+from .ir import ANALYSES, Action, ActionKind, Schedule, ScheduleError, gc_paused
 from .lower import (
     CommFields,
     CommGroup,
@@ -110,6 +110,9 @@ _DELTA = {ActionKind.FORWARD: 1, ActionKind.BACKWARD: -1, ActionKind.WEIGHT: 0}
 _kind = attrgetter("kind")
 _microbatch = attrgetter("microbatch")
 _chunk = attrgetter("chunk")
+
+
+ANALYSES["validate"] = validate
 
 
 def peak_inflight(schedule: Schedule) -> tuple[int, ...]:

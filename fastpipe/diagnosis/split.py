@@ -23,12 +23,12 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .doctor_io import DoctorInputError, StepContext
-from .schedule import SCHEDULES
-from .schedule.ir import Action, Schedule, ScheduleError
-from .schedule.recommend import make_schedule
-from .schedule.simulator import Costs, simulate
-from .schedule.timeline import Event, Timeline
+from ..schedule.trace_file import StepContext, TraceFileError
+from ..schedule import SCHEDULES
+from ..schedule.ir import Action, Schedule, ScheduleError
+from ..schedule.recommend import make_schedule
+from ..schedule.simulator import Costs, simulate
+from ..schedule.timeline import Event, Timeline
 
 __all__ = ["CATEGORIES", "Split", "split_step", "measured_schedule", "measured_costs"]
 
@@ -173,7 +173,7 @@ def measured_schedule(timeline: Timeline, context: StepContext) -> Schedule:
         return Schedule(context.schedule or "measured", timeline.num_stages, microbatches, rows,
                         chunks, context.placement)
     except (ScheduleError, ValueError, TypeError) as error:
-        raise DoctorInputError(f"the timeline's actions do not form a schedule: {error}") from None
+        raise TraceFileError(f"the timeline's actions do not form a schedule: {error}") from None
 
 
 def _generated(name: str, stages: int, microbatches: int, chunks: int) -> Optional[Schedule]:

@@ -23,7 +23,7 @@ from typing import Any, ContextManager, Dict, Iterable, List, Optional, Set, Tup
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .ops.pinned_pool import host_pool
+from ..ops.pinned_pool import host_pool
 
 __all__ = ["MODE", "StageOffloader", "forward_context", "offloader", "prefetch"]
 

@@ -1,6 +1,7 @@
-"""Weight stashing for asynchronous PipeDream (``Pipe(schedule='pipedream')``).
+"""Weight versions for asynchronous PipeDream (``Pipe(schedule='pipedream')``).
 
-Semantics (PipeDream's 1F1B with weight stashing, without a flush between micro-batches):
+Semantics (PipeDream's 1F1B with weight versions, which its paper calls weight stashing, without
+a flush between micro-batches):
 
 * Every stage counts its weight *versions*: version ``v`` is its weights after ``v`` updates.
 * After the backward of each micro-batch a stage applies the optimizer to its own parameters
@@ -60,7 +61,7 @@ class StageVersions:
         if version not in self.snapshots:
             if version != self.version:
                 raise RuntimeError(f"weight version {version} was not kept (the stage is at "
-                                   f"version {self.version}); this is a bug in weight stashing")
+                                   f"version {self.version}); this is a bug in weight versioning")
             self.snapshots[version] = [nn.Parameter(p.detach().clone()) for p in self.parameters]
             self.peak = max(self.peak, len(self.snapshots))
         return self.snapshots[version]
@@ -116,7 +117,7 @@ def stage_optimizer(optimizer: torch.optim.Optimizer,
 
 
 class PipeDream:
-    """The per-stage versions of a pipe and the F/B handlers that stash and update them."""
+    """The per-stage versions of a pipe and the F/B handlers that keep and update them."""
 
     def __init__(self, stages: Sequence[Any], vertical_sync: bool = False) -> None:
         # the stages this process holds (all of them in a Pipe, its own in a DistributedPipe)

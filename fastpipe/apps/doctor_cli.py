@@ -9,10 +9,10 @@ import argparse
 import sys
 from typing import Optional, Sequence, Tuple
 
-from .cli_simulate import UsageError, _Parser
-from .doctor_findings import Memory
-from .doctor_io import DoctorInputError, StepContext, load_trace
-from .doctor_report import doctor
+from .cli_simulate import UsageError, Parser
+from ..diagnosis.findings import Memory
+from ..schedule.trace_file import StepContext, TraceFileError, load_trace
+from ..diagnosis.report import doctor
 
 __all__ = ["main"]
 
@@ -28,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         memory = _memory(args)
         timeline, context = load_trace(args.trace)
         diagnosis = doctor((timeline, context), context=override, memory=memory)
-    except (UsageError, DoctorInputError) as error:
+    except (UsageError, TraceFileError) as error:
         print(f"{PROG}: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help
@@ -38,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Say where a pipeline step's time went and what to "
+    parser = Parser(prog=PROG, description="Say where a pipeline step's time went and what to "
                      "change, from a trace written by Trace.write(path).")
     parser.add_argument("trace", help="Chrome/Perfetto trace JSON written inside pipe.trace()")
     parser.add_argument("--balance", metavar="N,N,...",

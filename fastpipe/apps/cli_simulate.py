@@ -11,10 +11,10 @@ import argparse
 import sys
 from typing import NoReturn, Sequence
 
-from .schedule import SCHEDULES
-from .schedule import render
-from .schedule.recommend import make_schedule, per_chunk_costs
-from .schedule.simulator import Costs, SimulationResult, simulate
+from ..schedule import SCHEDULES
+from ..schedule import render
+from ..schedule.recommend import make_schedule, per_chunk_costs
+from ..schedule.simulator import Costs, SimulationResult, simulate
 
 __all__ = ["main", "closed_form", "report"]
 
@@ -25,7 +25,9 @@ class UsageError(Exception):
     """A bad command-line argument; reported as one line on stderr with exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors raise ``UsageError`` (one line, exit status 2)."""
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
 
@@ -52,7 +54,7 @@ DEFAULT_VIRTUAL = {"interleaved": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Simulate a pipeline schedule and draw its timeline.")
+    parser = Parser(prog=PROG, description="Simulate a pipeline schedule and draw its timeline.")
     names = ", ".join(sorted(SCHEDULES))
     parser.add_argument("--schedule", default="1f1b",
                         help=f"registered schedule name (default 1f1b): {names}")

@@ -14,12 +14,12 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from .doctor_report import doctor
-from .memory import SavedActivationMeter, cuda_peaks, format_bytes
+from ..diagnosis.report import doctor
+from ..memory import SavedActivationMeter, cuda_peaks, format_bytes
 from .models import counting_task, gpt, lm_loss
-from .pipe import Pipe
+from ..pipe import Pipe
 from .progress import progress
-from .schedule import render
+from ..schedule import render
 
 
 def _devices(stages: int) -> List[str]:
@@ -44,8 +44,8 @@ def _positive(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .checkpoint import MODES
-    from .schedule import SCHEDULES
+    from ..policies.checkpoint import MODES
+    from ..schedule import SCHEDULES
     parser = argparse.ArgumentParser(prog="python -m fastpipe demo", description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=_positive, default=40, help="training steps")

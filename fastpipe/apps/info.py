@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _native
+from .. import _native
+from ..version import __version__
 
 __all__ = ["format_info", "info"]
 
@@ -47,8 +48,8 @@ def format_info() -> str:
 
 
 def _fastpipe_version() -> str:
-    """The package version, read lazily so this module never depends on import order."""
-    return getattr(importlib.import_module("fastpipe"), "__version__", "unknown")
+    """The package version."""
+    return __version__
 
 
 def _native_info() -> Dict[str, Any]:

@@ -11,13 +11,13 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from . import balance as partition
-from .doctor_io import StepContext
-from .doctor_split import Split, stage_work
-from .schedule import ASYNCHRONOUS
-from .schedule.ir import Schedule
-from .schedule.recommend import make_schedule, recommend
-from .schedule.simulator import Costs, simulate
+from .. import balance as partition
+from ..schedule.trace_file import StepContext
+from .split import Split, stage_work
+from ..schedule import ASYNCHRONOUS
+from ..schedule.ir import Schedule
+from ..schedule.recommend import make_schedule, recommend
+from ..schedule.simulator import Costs, simulate
 
 __all__ = ["Finding", "Memory", "MIN_GAIN", "find"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .nn import FusedLayerNorm, FusedMLP
+from ..nn import FusedLayerNorm, FusedMLP
 
 
 class Embedding(nn.Module):

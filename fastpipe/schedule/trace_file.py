@@ -1,4 +1,6 @@
-"""What the doctor reads: a measured timeline plus the step around it, from memory or a trace file.
+"""Trace files: a measured timeline and the step around it, written and read back.
+
+The doctor's input.
 
 A :class:`StepContext` says what a bare timeline does not: when the step began waiting for its
 input (the end of the previous step, or the start of the ``trace()`` block), when it returned,
@@ -13,18 +15,18 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
-from .schedule.ir import Action
-from .schedule.render import MICROSECONDS_PER_UNIT
-from .schedule.timeline import Timeline
+from .ir import Action
+from .render import MICROSECONDS_PER_UNIT
+from .timeline import Timeline
 
-__all__ = ["DoctorInputError", "StepContext", "load_trace", "merge_chrome_traces",
+__all__ = ["TraceFileError", "StepContext", "load_trace", "merge_chrome_traces",
            "timeline_from_chrome_trace"]
 
 _ACTION_ARGS = ("stage", "kind", "microbatch", "chunk", "start", "end")
 
 
-class DoctorInputError(ValueError):
-    """The doctor cannot read or use its input (reported as one line by the command line)."""
+class TraceFileError(ValueError):
+    """A trace (file or timeline) that cannot be read or used (reported in one line)."""
 
 
 @dataclass(frozen=True)
@@ -85,14 +87,14 @@ def load_trace(path: str | os.PathLike[str]) -> Tuple[Timeline, StepContext]:
     """Read a Chrome/Perfetto trace written by ``trace()`` (``Trace.write``) or
     ``render.write_chrome_trace``, also one merged with a ``torch.profiler`` trace.
 
-    Raises :class:`DoctorInputError` for a missing, truncated or foreign file."""
+    Raises :class:`TraceFileError` for a missing, truncated or foreign file."""
     try:
         with open(path, encoding="utf-8") as file:
             data = json.load(file)
     except OSError as error:
-        raise DoctorInputError(f"cannot read {os.fspath(path)!r}: {error.strerror}") from None
+        raise TraceFileError(f"cannot read {os.fspath(path)!r}: {error.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DoctorInputError(f"{os.fspath(path)!r} is not complete JSON (truncated or not a "
+        raise TraceFileError(f"{os.fspath(path)!r} is not complete JSON (truncated or not a "
                                f"trace): {error}") from None
     return timeline_from_chrome_trace(data, name=os.fspath(path))
 
@@ -101,11 +103,11 @@ def timeline_from_chrome_trace(data: Any, name: str = "the trace") -> Tuple[Time
     """The fastpipe timeline and step context in Chrome trace JSON ``data``."""
     events = data.get("traceEvents") if isinstance(data, Mapping) else None
     if not isinstance(events, list):
-        raise DoctorInputError(f"{name} is not a Chrome/Perfetto trace (no 'traceEvents' list); "
+        raise TraceFileError(f"{name} is not a Chrome/Perfetto trace (no 'traceEvents' list); "
                                f"write one with Trace.write(path) inside pipe.trace()")
     mine = [e for e in events if _is_action(e)]
     if not mine:
-        raise DoctorInputError(f"{name} holds no fastpipe actions; it comes from another tool or "
+        raise TraceFileError(f"{name} holds no fastpipe actions; it comes from another tool or "
                                f"from an empty trace() block (run a train_step inside it)")
     other = data.get("otherData") if isinstance(data.get("otherData"), Mapping) else {}
     meta = other.get("fastpipe") if isinstance(other.get("fastpipe"), Mapping) else {}
@@ -117,9 +119,9 @@ def timeline_from_chrome_trace(data: Any, name: str = "the trace") -> Tuple[Time
         timeline = Timeline.from_intervals(stages, intervals, source="measured", unit=unit)
         context = StepContext.from_dict(meta)
     except (TypeError, ValueError, KeyError) as error:
-        raise DoctorInputError(f"{name} has a malformed fastpipe event: {error}") from None
+        raise TraceFileError(f"{name} has a malformed fastpipe event: {error}") from None
     if unit not in MICROSECONDS_PER_UNIT:
-        raise DoctorInputError(f"{name} is a {other.get('source', 'simulated')} timeline in "
+        raise TraceFileError(f"{name} is a {other.get('source', 'simulated')} timeline in "
                                f"{unit!r}; the doctor needs a measured one (pipe.trace())")
     return timeline, context
 
@@ -132,7 +134,7 @@ def merge_chrome_traces(ours: Mapping[str, Any], profiler: Mapping[str, Any]) ->
     ``otherData.fastpipe``, so the doctor reads the merged file too."""
     theirs = profiler.get("traceEvents") if isinstance(profiler, Mapping) else None
     if not isinstance(theirs, list):
-        raise DoctorInputError("the profiler trace has no 'traceEvents' list; export it with "
+        raise TraceFileError("the profiler trace has no 'traceEvents' list; export it with "
                                "prof.export_chrome_trace(path)")
     mine = [e for e in ours["traceEvents"] if e.get("ph") == "X"]
     starts = {e["name"]: e["ts"] for e in mine}
@@ -141,7 +143,7 @@ def merge_chrome_traces(ours: Mapping[str, Any], profiler: Mapping[str, Any]) ->
                     and str(e.get("name", "")).startswith("fastpipe/")
                     and e["name"][len("fastpipe/"):] in starts)
     if not shifts:
-        raise DoctorInputError("the profiler trace holds none of this step's fastpipe/ ranges: "
+        raise TraceFileError("the profiler trace holds none of this step's fastpipe/ ranges: "
                                "profile the same step, with every thread recorded "
                                "(fastpipe.runtime.labels.profile())")
     shift, pid = shifts[len(shifts) // 2], _free_pid(theirs)
@@ -169,11 +171,11 @@ def _action(args: Mapping[str, Any]) -> Action:
 def check_timeline(timeline: Any) -> Timeline:
     """``timeline`` if the doctor can diagnose it: measured, two or more stages, not empty."""
     if not isinstance(timeline, Timeline):
-        raise DoctorInputError(f"expected a Timeline or a Trace from pipe.trace(), got "
+        raise TraceFileError(f"expected a Timeline or a Trace from pipe.trace(), got "
                                f"{type(timeline).__name__}")
     if not timeline.events:
-        raise DoctorInputError("the timeline is empty: run a train_step inside pipe.trace()")
+        raise TraceFileError("the timeline is empty: run a train_step inside pipe.trace()")
     if timeline.num_stages < 2:
-        raise DoctorInputError(f"the timeline has {timeline.num_stages} stage: there is no "
+        raise TraceFileError(f"the timeline has {timeline.num_stages} stage: there is no "
                                f"pipeline to diagnose (use two or more stages)")
     return timeline

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-MODES = ("never", "except_last", "always", "offload",  # offload: see fastpipe.offload
-         "selective")  # selective: see fastpipe.selective
+MODES = ("never", "except_last", "always", "offload",  # offload: see fastpipe.policies.offload
+         "selective")  # selective: see fastpipe.policies.selective
 
 _local = threading.local()
 _TENSOR = object()  # marks where a tensor sits among a pytree's leaves
@@ -72,7 +72,7 @@ def checkpoint_stop(checkpoint: str, num_microbatches: int) -> int:
     """How many micro-batches (the first ones) are checkpointed under ``checkpoint``."""
     return {"always": num_microbatches, "except_last": num_microbatches - 1,
             "never": 0, "offload": 0,
-            "selective": 0,  # no full recompute: fastpipe.selective keeps a thinner graph
+            "selective": 0,  # no full recompute: fastpipe.policies.selective keeps a thinner graph
             }[check_mode(checkpoint)]
 
 

@@ -1,9 +1,9 @@
 """``fastpipe.doctor``: diagnose a measured pipeline step and say what to change.
 
-``doctor(trace)`` takes what ``with pipe.trace() as t:`` gives (or one of its timelines, or a
-trace file's timeline and context from :func:`fastpipe.doctor_io.load_trace`) and returns a
-:class:`Diagnosis`: the step's time split per stage (:mod:`fastpipe.doctor_split`) and the
-findings ranked by expected gain (:mod:`fastpipe.doctor_findings`). ``print(diagnosis)`` shows a
+``doctor(trace)`` takes what ``with pipe.trace() as t:`` gives (or one of its timelines, or a trace
+file's timeline and context from :func:`fastpipe.schedule.trace_file.load_trace`) and returns a
+:class:`Diagnosis`: the step's time split per stage (:mod:`fastpipe.diagnosis.split`) and the
+findings ranked by expected gain (:mod:`fastpipe.diagnosis.findings`). ``print(diagnosis)`` shows a
 short table and at most five lines of advice. Pure Python: no device work.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple, Union
 
-from .doctor_findings import Finding, Memory, find
-from .doctor_io import DoctorInputError, StepContext, check_timeline
-from .doctor_split import CATEGORIES, Split, split_step
-from .schedule.timeline import Timeline
+from .findings import Finding, Memory, find
+from ..schedule.trace_file import StepContext, TraceFileError, check_timeline
+from .split import CATEGORIES, Split, split_step
+from ..schedule.timeline import Timeline
 
 __all__ = ["Diagnosis", "doctor", "MAX_ADVICE"]
 
@@ -27,7 +27,7 @@ _HEADERS = {"compute": "compute", "inherent": "bubble", "imbalance": "imbalance"
 @dataclass(frozen=True)
 class Diagnosis:
     """The doctor's answer for one step: ``split`` (seconds per stage and category, see
-    :class:`~fastpipe.doctor_split.Split`), ``findings`` (largest expected gain first) and the
+    :class:`~fastpipe.diagnosis.split.Split`), ``findings`` (largest expected gain first) and the
     ``context`` it used."""
 
     split: Split
@@ -90,12 +90,12 @@ def doctor(timeline_or_trace: Any, *, memory: Union[Memory, Sequence[float], Non
     """Diagnose one measured training step.
 
     ``timeline_or_trace``: a ``Trace`` from ``pipe.trace()`` (its ``step``-th step, default the
-    last; it carries the step's context), a measured ``Timeline``, or a ``(timeline, context)``
-    pair from :func:`fastpipe.doctor_io.load_trace`. ``memory``: per-stage peak bytes, or a
-    :class:`~fastpipe.doctor_findings.Memory` with limits, for the checkpoint advice (default:
+    last; it carries the step's context), a measured ``Timeline``, or a ``(timeline, context)`` pair
+    from :func:`fastpipe.schedule.trace_file.load_trace`. ``memory``: per-stage peak bytes, or a
+    :class:`~fastpipe.diagnosis.findings.Memory` with limits, for the checkpoint advice (default:
     what the trace recorded, the CUDA peak and capacity of each stage's device).
     ``context``: fields that override the recorded ones (e.g. ``balance`` for a bare timeline).
-    Raises :class:`~fastpipe.doctor_io.DoctorInputError` for input it cannot diagnose.
+    Raises :class:`~fastpipe.schedule.trace_file.TraceFileError` for input it cannot diagnose.
     """
     timeline, recorded = _unpack(timeline_or_trace, step)
     timeline = check_timeline(timeline)
@@ -115,15 +115,15 @@ def _unpack(value: Any, step: int) -> Tuple[Timeline, StepContext]:
     timelines = getattr(value, "timelines", None)
     if isinstance(timelines, list):
         if not timelines:
-            raise DoctorInputError("the trace holds no step: run a train_step inside "
+            raise TraceFileError("the trace holds no step: run a train_step inside "
                                    "pipe.trace()")
         try:
             index = range(len(timelines))[step]
         except IndexError:
-            raise DoctorInputError(f"step={step} is outside the trace's {len(timelines)} "
+            raise TraceFileError(f"step={step} is outside the trace's {len(timelines)} "
                                    f"steps") from None
         return timelines[index], value.contexts.get(index, StepContext())
-    raise DoctorInputError(f"expected a Trace from pipe.trace(), a Timeline or (timeline, "
+    raise TraceFileError(f"expected a Trace from pipe.trace(), a Timeline or (timeline, "
                            f"context), got {type(value).__name__}")
 
 
@@ -134,9 +134,9 @@ def _memory(memory: Union[Memory, Sequence[float], None], timeline: Timeline) ->
         try:
             found = Memory(tuple(float(x) for x in memory))
         except (TypeError, ValueError):
-            raise DoctorInputError(f"memory must be peak bytes per stage (numbers) or a Memory, "
+            raise TraceFileError(f"memory must be peak bytes per stage (numbers) or a Memory, "
                                    f"got {memory!r}") from None
     if found is not None and len(found.peak) != timeline.num_stages:
-        raise DoctorInputError(f"memory has {len(found.peak)} entries for a timeline of "
+        raise TraceFileError(f"memory has {len(found.peak)} entries for a timeline of "
                                f"{timeline.num_stages} stages; give one per stage")
     return found

@@ -113,7 +113,7 @@ class _Replay(TorchDispatchMode):
 
 
 class _RecomputeScope:
-    """The recompute context: :func:`fastpipe.checkpoint.is_recomputing` is True and cached
+    """The recompute context: :func:`fastpipe.policies.checkpoint.is_recomputing` is True and cached
     outputs replay. Re-enterable, since each backward through the region recomputes it."""
 
     def __init__(self, mode: _Replay) -> None:

@@ -1,0 +1,7 @@
+"""Stage policies: how a stage keeps, recomputes, offloads, scales or shares what it computes.
+
+``checkpoint`` (modes, recompute, RNG replay), ``selective`` (selective recompute), ``offload``
+(saved tensors in host memory), ``amp`` (autocast across threads, loss scaling), ``batchnorm``
+(deferred batch norm) and ``tied`` (tied weights across stages). They depend on torch and the
+native ops only, never on the runtime or the front doors that apply them.
+"""
