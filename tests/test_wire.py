@@ -6,13 +6,16 @@ import math
 import pytest
 import torch
 
-from fastpipe.runtime.dist_executor import Topology, flows, last_gradient_actions, links
+from collections import Counter
+
+from fastpipe.runtime.dist_executor import last_gradient_actions
 from fastpipe.runtime.grad_sync import buckets
-from fastpipe.runtime.p2p import Kinds, from_meta, to_meta
-from fastpipe.runtime.step import Message, _flatten, _TENSOR
+from fastpipe.runtime.lowering import lowering, skip_links
+from fastpipe.runtime.message import TENSOR as _TENSOR, Message, flatten as _flatten
+from fastpipe.runtime.p2p import Channels, from_meta, to_meta
 from fastpipe.runtime.hop import Parcel
 from fastpipe.runtime.wire import ALIGN, HEADER_LEN, Header, Meta, layouts_of, pack, payload_size, unpack
-from fastpipe.schedule import get_schedule
+from fastpipe.schedule import CommKind, get_schedule
 from fastpipe.skip.layout import StageSkips
 
 
@@ -82,34 +85,48 @@ def test_buckets_respect_size_dtype_and_order():
     assert [t for b in groups for t in b] == grads
 
 
-def test_flows_skip_local_neighbours_and_links_group_them_by_sender():
-    # zbv on 2 ranks: rank 0 holds virtual stages 0 and 3, rank 1 holds 1 and 2.
+def test_lowering_counts_what_each_peer_sends_and_keeps_local_neighbours_local():
+    # zbv on 2 ranks: stage 0 holds virtual stages 0 and 3, stage 1 holds 1 and 2.
     schedule = get_schedule("zbv", 2, 4, virtual_stages=2)
     owner = [schedule.stage_of(v)[0] for v in range(4)]
-    topology = Topology(owner, rank=1, stage=1, group=None, device=torch.device("cpu"))
-    found = flows(topology, [1, 2], 4, {"act": 4, "grad": 4})
-    assert {(f.kind, f.virtual_stage, f.src_rank) for f in found} == {("act", 1, 0),
-                                                                     ("grad", 2, 0)}
-    grouped = links(found)
-    assert list(grouped) == [0] and grouped[0].count == 8  # 1 -> 2 and 2 -> 1 stay local
-    forward_only = flows(topology, [1, 2], 4, {"act": 4})
-    assert [(f.kind, f.virtual_stage) for f in forward_only] == [("act", 1)]
+    train = lowering(schedule, schedule.actions, ())
+    sources = train.sources(1)
+    assert Counter(owner[v] for v in sources) == {0: 8, 1: 8}  # 1 -> 2 and 2 -> 1 stay local
+    routes = [route for _, route in train.rows[1]]
+    assert {(r.virtual_stage, r.input.what.value, r.input.peer) for r in routes
+            if r.input is not None and r.input.peer == 0} == {(1, "act", 0), (2, "grad", 0)}
+    forward = lowering(schedule, schedule.forward_actions, ())
+    assert [owner[v] for v in forward.sources(1)] == [0, 1] * 4  # act into 1 from 0, 2 from 1
 
 
-def test_flows_include_skip_connections():
-    plan = {1: StageSkips(1, sends=(("h", 3),), receives=(("e", 0),))}
-    topology = Topology([0, 1, 2, 3], rank=1, stage=1, group=None, device=torch.device("cpu"))
-    found = {(f.kind, f.src_rank, f.count) for f in
-             flows(topology, [1], 4, {"act": 3, "grad": 3}, plan)}
-    assert found == {("act", 0, 3), ("grad", 2, 3), ("skip/e", 0, 3), ("skipgrad/h", 3, 3)}
+def test_lowering_includes_skip_connections():
+    plan = StageSkips(1, sends=(("h", 3),), receives=(("e", 0),))
+    links = skip_links([plan])
+    assert [(s.name, s.src, s.dst) for s in links] == [("e", 0, 1), ("h", 1, 3)]
+    schedule = get_schedule("1f1b", 4, 3)
+    lowered = lowering(schedule, schedule.actions, links)
+    found = Counter((route.virtual_stage, src, key.what.value, key.skip and key.skip.name)
+                    for _, route in lowered.rows[1]
+                    for key, src in zip(route.waits, route.sources))
+    assert found == {(1, 0, "act", None): 3, (1, 2, "grad", None): 3, (1, 0, "act", "e"): 3,
+                     (1, 3, "grad", "h"): 3}
 
 
-def test_kinds_number_skip_names_alike_on_every_rank():
-    kinds, other = Kinds(["b", "a"]), Kinds(["a", "b"])
-    assert kinds.names == other.names == ["act", "grad", "skip/a", "skipgrad/a", "skip/b",
-                                          "skipgrad/b"]
-    for key in [("act", 3), ("grad", 0), ("skip", "a", 2), ("skipgrad", "b", 5)]:
-        assert kinds.key(kinds.of(key), key[-1]) == key
+def test_channels_number_skip_connections_alike_on_every_rank():
+    plans = [StageSkips(0, sends=(("b", 2), ("a", 1))), StageSkips(1, receives=(("a", 0),)),
+             StageSkips(2, receives=(("b", 0),))]
+    channels, other = Channels(skip_links(plans)), Channels(skip_links(reversed(plans)))
+    names = ["act", "grad", "skip/a", "skipgrad/a", "skip/b", "skipgrad/b"]
+    assert [channels.name(i) for i in range(len(channels))] == names
+    assert channels.channels == other.channels
+    schedule = get_schedule("1f1b", 3, 2)
+    lowered = lowering(schedule, schedule.actions, skip_links(plans))
+    keys = [op for program in lowered.programs for group in program if hasattr(group, "ops")
+            for op in group.ops if op.kind is CommKind.RECV]
+    assert len(keys) == 2 * (2 * 2 + 2 * 2)  # act, grad between 3 stages; a, b and their grads
+    for key in keys:
+        assert channels.key(channels.index(key), key.peer, key.microbatch,
+                            key.virtual_stage) == key
 
 
 @pytest.mark.parametrize("name, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])

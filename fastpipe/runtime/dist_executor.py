@@ -3,7 +3,9 @@
 It is the local executor with different wiring: the mailboxes of other ranks' stages are
 :class:`~fastpipe.runtime.p2p.Outbox` objects that send, and when the next action lacks a
 message, the worker takes it (and any sent before it) from the sending peer's
-:class:`~fastpipe.runtime.p2p.Inbox`, whose receives are posted ahead of the compute. The
+:class:`~fastpipe.runtime.p2p.Inbox`, whose receives are posted ahead of the compute. Which
+messages a step takes from which peer, and which peer sends a missing one, come from the
+step's lowered programs (:mod:`fastpipe.runtime.lowering`), as on one process. The
 handlers (F, B, W) are the very same. A failing rank sends its peers a failure notice and posts
 it on the failure board, which the caller's thread watches while the step runs; every error
 names this rank.
@@ -14,20 +16,22 @@ import contextlib
 import datetime
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import PeerLost, PipelineAborted, PipelineError, PipelineTimeout, StageFailure
-from ..schedule import Action, ActionKind, Schedule
+from ..schedule import Action, ActionKind, Schedule, SkipLink
 from .board import CHECK_EVERY, Board, wait_work
-from .executor import LocalExecutor
+from .executor import LocalExecutor, Rows
+from .lowering import Route, is_ready, lowering
 from .mailbox import Mailbox
-from .p2p import (Flow, Inbox, Kinds, Link, Outbox, PeerFailed, PeerPayloads, SendLog,
-                  StepInfo, Transport, TransportError, send_failure)
-from .step import StepState, is_ready
+from .p2p import (Channels, Inbox, Outbox, PeerFailed, PeerPayloads, SendLog, StepInfo,
+                  Transport, TransportError, send_failure)
+from .step import StepState
 from .wire import Header
 
 
@@ -45,53 +49,21 @@ class Topology:
         return self.owner[virtual_stage] == self.rank
 
 
-def flows(topology: Topology, local_stages: Sequence[int], num_stages: int,
-          counts: Dict[str, int], skips: Optional[Dict[int, Any]] = None) -> List[Flow]:
-    """What this rank's stages receive in a step with ``counts[kind]`` messages of each kind per
-    stage: activations from the previous stage, gradients from the next, and for the skip
-    connections (``skips``: ``fastpipe.skip.layout.StageSkips`` by stage) the tensors from their
-    producers and the gradients from their consumers. Neighbours on this rank send nothing."""
-    out = []
-    for v in local_stages:
-        sources = []
-        if v > 0:
-            sources.append(("act", "act", v - 1))
-        if v < num_stages - 1:
-            sources.append(("grad", "grad", v + 1))
-        plan = (skips or {}).get(v)
-        if plan is not None:
-            sources += [(f"skip/{name}", "act", src) for name, src in plan.receives]
-            sources += [(f"skipgrad/{name}", "grad", dst) for name, dst in plan.sends]
-        for kind, counted_as, src in sources:
-            if counts.get(counted_as) and not topology.local(src):
-                out.append(Flow(kind, v, topology.owner[src], src, counts[counted_as]))
-    return out
-
-
-def links(found: Sequence[Flow]) -> Dict[int, Link]:
-    """The flows grouped by the rank that sends them."""
-    out: Dict[int, Link] = {}
-    for flow in found:
-        out.setdefault(flow.src_rank, Link(flow.src_rank, [])).flows.append(flow)
-    return out
-
-
 class DistributedExecutor(LocalExecutor):
     """Runs this rank's program of a schedule; other ranks run theirs."""
 
     def __init__(self, topology: Topology, board: Board,
                  after_action: Optional[Callable[[StepState, Any, Action], None]] = None,
-                 kinds: Optional[Kinds] = None, skips: Optional[Dict[int, Any]] = None) -> None:
+                 skips: Sequence[SkipLink] = ()) -> None:
         super().__init__([[topology.stage]])
-        self.kinds = kinds or Kinds()
+        self.skips = tuple(sorted(skips))  # every skip connection of the pipeline
         self.topology = topology
         self.rank = topology.rank
         self.board = board
         self.after_action = after_action
-        self.skips = skips or {}
         self.info = StepInfo()
-        self.transport = Transport(topology.group, topology.device, topology.rank, self.kinds,
-                                   self.info)
+        self.transport = Transport(topology.group, topology.device, topology.rank,
+                                   Channels(self.skips), self.info)
         self._inboxes: Dict[int, Inbox] = {}  # metadata caches live across steps
         # payload sizes sent to / received from each peer, mirrored on the other side
         prepost = dist.get_backend(topology.group) == "gloo"
@@ -103,7 +75,9 @@ class DistributedExecutor(LocalExecutor):
     # ---------------------------------------------------------------- receiving
     def inbox(self, src_rank: int) -> Inbox:
         if src_rank not in self._inboxes:
-            self._inboxes[src_rank] = Inbox(src_rank, self.transport, self._received_sizes)
+            stage = dist.get_process_group_ranks(self.topology.group).index(src_rank)
+            self._inboxes[src_rank] = Inbox(src_rank, stage, self.transport,
+                                            self._received_sizes)
         return self._inboxes[src_rank]
 
     def learn_microbatches(self, src_rank: int, step: StepState) -> Header:
@@ -115,17 +89,23 @@ class DistributedExecutor(LocalExecutor):
         return self._receive(step, inbox, f"the first message of the step from rank {src_rank}",
                              time.monotonic() + step.timeout)
 
-    def expect(self, found: Sequence[Link], learned_from: Optional[int]) -> None:
-        """Post the first receive from every peer that sends this rank something this step."""
+    def expect(self, schedule: Schedule, rows: Sequence[Sequence[Action]],
+               learned_from: Optional[int]) -> None:
+        """Post the first receive from every peer that sends this rank something in the step
+        that runs ``rows`` of ``schedule`` (as many messages as its lowered program takes)."""
+        owner, rank = self.topology.owner, self.topology.rank
+        lowered = lowering(schedule, rows, self.skips)
+        counts = Counter(owner[v] for v in lowered.sources(self.topology.stage)
+                         if owner[v] != rank)
         with self.peers_named("posting the step's receives"):
             for inbox in self._inboxes.values():
                 if inbox.src_rank != learned_from:
                     inbox.begin(0)
-            for link in found:
-                if link.src_rank == learned_from:
-                    self.inbox(link.src_rank).expect(link.count - 1)
+            for src_rank, count in counts.items():
+                if src_rank == learned_from:
+                    self.inbox(src_rank).expect(count - 1)
                 else:
-                    self.inbox(link.src_rank).begin(link.count)
+                    self.inbox(src_rank).begin(count)
 
     @contextlib.contextmanager
     def peers_named(self, doing: str) -> Iterator[None]:
@@ -164,40 +144,30 @@ class DistributedExecutor(LocalExecutor):
             raise self.board.lost(f"waiting for {what} from rank {inbox.src_rank}", error,
                                   inbox.src_rank) from None
 
-    def _sleep(self, step: StepState, group: List[int], programs: Sequence[Sequence[Action]],
-               cursors: Dict[int, int], virtual_stage: Any, bell: threading.Condition,
-               deadline: float) -> None:
+    def _sleep(self, step: StepState, group: List[int], rows: Rows, cursors: Dict[int, int],
+               bell: threading.Condition, deadline: float) -> None:
         """Instead of sleeping: take messages from the peer that sends what the next action
         needs, until it is ready (the peer sent them in this order)."""
         s = group[0]
-        action = programs[s][cursors[s]]
-        stage = step.stages[virtual_stage(action)]
+        action, route = rows[s][cursors[s]]
         what = f"the input of action {action} (micro-batch {action.microbatch})"
         self._doing(f"waiting for {what}")
-        while not is_ready(step, stage, action):
+        while not is_ready(step, route):
             if step.abort.reason is not None:
                 raise PipelineAborted(f"stage {action.stage} stopped waiting for {what} because "
                                       f"{step.abort.reason}")
-            src = self._source_of_missing(step, stage, action)
+            src = self._source_of_missing(step, action, route)
             self._receive(step, self.inbox(src), what, deadline, action)
 
-    def _source_of_missing(self, step: StepState, stage: Any, action: Action) -> int:
+    def _source_of_missing(self, step: StepState, action: Action, route: Route) -> int:
         """The rank that sends the first message ``action`` still lacks."""
-        v, mb, box = stage.index, action.microbatch, step.mailboxes[stage.index]
-        plan = self.skips.get(v)
-        needs: List[tuple] = []
-        if action.kind == ActionKind.FORWARD:
-            needs.append((("act", mb), v - 1))
-            needs += [(("skip", name, mb), src) for name, src in (plan.receives if plan else ())]
-        elif action.kind == ActionKind.BACKWARD:
-            needs.append((("grad", mb), v + 1))
-            needs += [(("skipgrad", name, mb), dst) for name, dst in (plan.sends if plan else ())]
-        for key, src_stage in needs:
-            if 0 <= src_stage < len(step.stages) and not box.has(key):
+        box = step.mailboxes[route.virtual_stage]
+        for key, src_stage in zip(route.waits, route.sources):
+            if not box.has(key):
                 if self.topology.local(src_stage):
-                    raise PipelineError(f"stage {v} waits for {key} from stage {src_stage} on "
-                                        f"this rank, which has not sent it: the schedule runs "
-                                        f"them out of order")
+                    raise PipelineError(f"stage {route.virtual_stage} waits for '{key}' from "
+                                        f"stage {src_stage} on this rank, which has not sent it: "
+                                        f"the schedule runs them out of order")
                 return self.topology.owner[src_stage]
         raise PipelineError(f"action {action} is not ready but lacks no message")
 
@@ -261,6 +231,9 @@ class DistributedExecutor(LocalExecutor):
                          for s in range(len(programs))]
         step.busy = [0.0]
         return [self._bell]
+
+    def _skip_links(self, step: StepState) -> Tuple[SkipLink, ...]:
+        return self.skips
 
     watch_every = CHECK_EVERY
 

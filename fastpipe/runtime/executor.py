@@ -3,7 +3,9 @@
 Each worker runs the programs of one or more physical stages (one stage per worker on GPUs; on the
 CPU, consecutive stages share a worker when there are more stages than cores). A worker runs, in
 each pass over its stages, the next action of every stage whose input has arrived, and sleeps on
-its doorbell only when none can move. Stages on different workers run concurrently (torch releases
+its doorbell only when none can move. The programs are the schedule's, lowered
+(:mod:`fastpipe.runtime.lowering`): an action can run when the messages its receive ops name
+have arrived in its stage's mailbox. Stages on different workers run concurrently (torch releases
 the GIL inside kernels and autograd), each on its own CUDA stream on a GPU. The executor knows
 nothing of particular schedules: it looks each action's kind up in a handler table. A failing stage
 aborts the step for every worker, and a worker whose stages wait longer than the timeout fails
@@ -14,18 +16,19 @@ from __future__ import annotations
 import concurrent.futures as futures
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
                       describe, located)
-from ..schedule import Action, ActionKind, Schedule
+from ..schedule import Action, ActionKind, Schedule, SkipLink
 from .labels import action_range
+from .lowering import Route, is_ready, lowering, skip_links
 from .mailbox import Mailbox
 from .stage import Stage
-from .step import HANDLERS, StepState, is_ready
+from .step import HANDLERS, StepState
 
 Handler = Callable[[StepState, Stage, Action], None]
-VirtualStage = Callable[[Action], int]
+Rows = Sequence[Sequence[Tuple[Action, Route]]]  # each stage's actions with their routes
 
 
 class LocalExecutor:
@@ -49,14 +52,15 @@ class LocalExecutor:
         """Run one step: ``programs[s]`` is physical stage ``s``'s action list, in order (the
         ``schedule``'s actions or a subset of them; it places the chunks)."""
         self._check_programs(programs)
+        lowered = lowering(schedule, programs, self._skip_links(step))
+        step.routes = lowered.routes
         if not self._lock.acquire(timeout=step.timeout):  # one step at a time per pipeline
             raise PipelineTimeout(
                 f"another step of this pipeline has been running for over {step.timeout:g}s; "
                 f"run the steps of one Pipe one after another")
         try:
             bells = self._wire(programs, step, schedule)
-            virtual_stage = schedule.virtual_stage_of
-            jobs = [self._pool.submit(self._work, step, w, group, programs, virtual_stage, bells[w])
+            jobs = [self._pool.submit(self._work, step, w, group, lowered.rows, bells[w])
                     for w, group in enumerate(self.groups)]
             self._watch(jobs, step)
             futures.wait(jobs, timeout=step.timeout + 1.0)  # the others stop at their next check
@@ -68,6 +72,10 @@ class LocalExecutor:
         if len(programs) != sum(len(g) for g in self.groups):
             raise ValueError(f"expected {sum(len(g) for g in self.groups)} stage programs, "
                              f"got {len(programs)}")
+
+    def _skip_links(self, step: StepState) -> Tuple[SkipLink, ...]:
+        """The model's skip connections (every stage is in this process)."""
+        return skip_links(stage.skips.skips for stage in step.stages if stage.skips is not None)
 
     watch_every = 1.0  # seconds between the watchdog's looks while the workers run
 
@@ -107,36 +115,35 @@ class LocalExecutor:
         step.busy = [0.0] * len(self.groups)
         return bells
 
-    def _work(self, step: StepState, worker: int, group: List[int],
-              programs: Sequence[Sequence[Action]], virtual_stage: VirtualStage,
+    def _work(self, step: StepState, worker: int, group: List[int], rows: Rows,
               bell: threading.Condition) -> None:
         cursors = {s: 0 for s in group}
         order = list(reversed(group))  # downstream first: outputs leave the worker sooner
         deadline = time.monotonic() + step.timeout
         with step.ambient():
-            while any(cursors[s] < len(programs[s]) for s in group):
+            while any(cursors[s] < len(rows[s]) for s in group):
                 ran = False
                 if step.abort.reason is not None:
                     raise PipelineAborted(f"worker of stages {group} stopped because "
                                           f"{step.abort.reason}")
                 for s in order:
-                    if cursors[s] < len(programs[s]):
-                        action = programs[s][cursors[s]]
-                        stage = step.stages[virtual_stage(action)]
-                        if is_ready(step, stage, action):
-                            self._run_action(step, worker, stage, action)
+                    if cursors[s] < len(rows[s]):
+                        action, route = rows[s][cursors[s]]
+                        if is_ready(step, route):
+                            self._run_action(step, worker, step.stages[route.virtual_stage],
+                                             action)
                             cursors[s] += 1
                             ran = True
                 if ran:
                     deadline = time.monotonic() + step.timeout
                 else:
-                    self._sleep(step, group, programs, cursors, virtual_stage, bell, deadline)
+                    self._sleep(step, group, rows, cursors, bell, deadline)
 
-    def _sleep(self, step: StepState, group: List[int], programs: Sequence[Sequence[Action]],
-               cursors: Dict[int, int], virtual_stage: VirtualStage,
+    def _sleep(self, step: StepState, group: List[int], rows: Rows, cursors: Dict[int, int],
                bell: threading.Condition, deadline: float) -> None:
         """Wait until a message arrives for one of the worker's stages, or fail."""
-        pending = [programs[s][cursors[s]] for s in group if cursors[s] < len(programs[s])]
+        waiting = [rows[s][cursors[s]] for s in group if cursors[s] < len(rows[s])]
+        pending = [action for action, _ in waiting]
         with bell:
             while True:
                 if step.abort.reason is not None:
@@ -144,7 +151,7 @@ class LocalExecutor:
                     raise PipelineAborted(
                         f"stage {first.stage} stopped waiting for the input of {first} "
                         f"(micro-batch {first.microbatch}) because {step.abort.reason}")
-                if any(is_ready(step, step.stages[virtual_stage(a)], a) for a in pending):
+                if any(is_ready(step, route) for _, route in waiting):
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

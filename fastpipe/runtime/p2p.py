@@ -1,12 +1,13 @@
 """Point-to-point messages between pipeline ranks over ``torch.distributed`` (gloo).
 
 Messages go between ranks in one order per (sender, receiver) pair: the order in which the
-sender's stage program produces them (activations, gradients, and the tensors and gradients of
-skip connections, for any of the receiver's stages). The sending side is an :class:`Outbox`,
-which a stage's handlers see as the mailbox of a remote stage: ``put`` ships the message with
-non-blocking sends. The receiving side is an :class:`Inbox` per peer, which keeps the next
-receive posted ahead of the compute; the rank's worker takes messages from it when an action
-needs them. Every wait has a timeout; a failing rank sends its peers a failure notice in place
+sender's lowered stage program sends them (activations, gradients, and the tensors and gradients
+of skip connections, for any of the receiver's stages). A message is keyed, on both ends, by the
+receive op (``Comm``) of the receiver's program; its header carries what rebuilds that key.
+The sending side is an :class:`Outbox`, which a stage's handlers see as the mailbox of a remote
+stage: ``put`` ships the message with non-blocking sends. The receiving side is an
+:class:`Inbox` per peer, which keeps the next receive posted ahead of the compute; the rank's
+worker takes messages from it when an action needs them. Every wait has a timeout; a failing rank sends its peers a failure notice in place
 of the next message.
 """
 from __future__ import annotations
@@ -20,14 +21,18 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PipelineError
+from ..schedule import Comm, CommKind, Payload, SkipLink
+from ..schedule.lower import comm_from
 from .hop import Parcel
+from .lowering import carries_loss
 from .mailbox import Mailbox
+from .message import BARE, TENSOR, Message
 from .wire import HEADER_LEN, LOSS_DTYPES, Header, Meta, layouts_of, pack, unpack
 
 # fastpipe's tags, apart from a user's own small ones: headers, metadata, payloads. Each is a
 # first-in first-out stream per pair of ranks (gloo matches receives to sends by tag, in order).
 HEADER_TAG, META_TAG, PAYLOAD_TAG = 0x3F00, 0x3F01, 0x3F02
-Key = Tuple[Any, ...]  # a mailbox key: ("act", mb), ("grad", mb), ("skip", name, mb), ...
+Channel = Tuple[Payload, Optional[SkipLink]]  # what travels, and on which skip connection
 
 
 class TransportError(PipelineError):
@@ -47,28 +52,35 @@ def _posted(call: Any, peer: int, what: str) -> Any:
         raise TransportError(f"{what} with rank {peer} failed: {error}", peer) from error
 
 
-class Kinds:
-    """The message kinds of one pipe, numbered alike on every rank: activations, gradients, and
-    for each skip connection (``fastpipe.skip``) its tensor and its gradient."""
+class Channels:
+    """The message channels of one pipe, numbered alike on every rank (a header's ``kind``):
+    a stage's activations and gradients, then each skip connection's tensor and gradient, by
+    name. A header's channel, micro-batch and stage, with the sending stage, rebuild the key."""
 
-    def __init__(self, skip_names: Sequence[str] = ()) -> None:
-        self.names = ["act", "grad"]
-        for name in sorted(skip_names):
-            self.names += [f"skip/{name}", f"skipgrad/{name}"]
+    def __init__(self, skips: Sequence[SkipLink] = ()) -> None:
+        self.channels: List[Channel] = [(Payload.ACT, None), (Payload.GRAD, None)]
+        for link in sorted(skips):
+            self.channels += [(Payload.ACT, link), (Payload.GRAD, link)]
+        self._index = {channel: i for i, channel in enumerate(self.channels)}
 
-    def of(self, key: Key) -> str:
-        """The kind of a mailbox key."""
-        return key[0] if len(key) == 2 else f"{key[0]}/{key[1]}"
+    def __len__(self) -> int:
+        return len(self.channels)
 
-    def key(self, kind: str, microbatch: int) -> Key:
-        """The mailbox key of a ``kind`` message of ``microbatch``."""
-        if "/" in kind:
-            head, name = kind.split("/", 1)
-            return (head, name, microbatch)
-        return (kind, microbatch)
+    def index(self, key: Comm) -> int:
+        """The channel number of a message's key."""
+        return self._index[(key.what, key.skip)]
 
-    def index(self, kind: str) -> int:
-        return self.names.index(kind)
+    def key(self, index: int, peer: int, microbatch: int, virtual_stage: int) -> Comm:
+        """The key of a message on channel ``index`` from physical stage ``peer``."""
+        what, skip = self.channels[index]
+        return comm_from((CommKind.RECV, what, peer, microbatch, virtual_stage, skip))
+
+    def name(self, index: int) -> str:
+        """A channel's name in messages: ``act``, ``grad``, ``skip/<name>``, ``skipgrad/<name>``."""
+        what, skip = self.channels[index]
+        if skip is None:
+            return str(what)
+        return f"{'skip' if what is Payload.ACT else 'skipgrad'}/{skip.name}"
 
 
 @dataclass
@@ -132,12 +144,12 @@ class SendLog:
 @dataclass
 class Transport:
     """What both ends of this rank's messages share: the pipeline's process group, where
-    buffers live, the numbering of message kinds, and the facts of the current step."""
+    buffers live, the numbering of message channels, and the facts of the current step."""
 
     group: Any
     device: torch.device
     rank: int  # this process's global rank
-    kinds: Kinds
+    channels: Channels
     info: StepInfo
 
 
@@ -149,26 +161,29 @@ class Outbox:
         self.virtual_stage = virtual_stage
         self.rank = rank  # the receiving rank
         self.transport = transport
-        self.kinds, self.info, self.device = transport.kinds, transport.info, transport.device
+        self.channels, self.info, self.device = (transport.channels, transport.info,
+                                                 transport.device)
         self.log = log
         self.payloads = payloads
-        self._sent_meta: Dict[str, Meta] = {}
+        self._sent_meta: Dict[int, Meta] = {}
 
-    def put(self, key: Key, message: Any) -> None:
-        kind, mb = self.kinds.of(key), key[-1]
+    def put(self, key: Comm, message: Message) -> None:
+        kind, mb = self.channels.index(key), key.microbatch
         tensors = message.parcel.tensors
         meta = to_meta(message, tensors)
         new_meta = self._sent_meta.get(kind) != meta
         meta_data = meta.encode().to(self.device) if new_meta else None
         payload = pack(tensors)
-        loss, loss_dtype = self.info.loss(mb) if kind == "grad" else (math.nan, torch.float32)
-        header = Header(self.kinds.index(kind), mb, self.virtual_stage,
+        loss, loss_dtype = (self.info.loss(mb) if carries_loss(key)
+                            else (math.nan, torch.float32))
+        header = Header(kind, mb, self.virtual_stage,
                         self.info.num_microbatches, self.info.batch_size,
                         0 if meta_data is None else meta_data.numel(),
                         0 if payload is None else payload.numel() * payload.element_size(),
                         self.info.step, loss, loss_dtype,
-                        self.info.count(mb) if kind == "grad" else -1.0)
-        what = f"{kind} of micro-batch {mb} to stage {self.virtual_stage} on rank {self.rank}"
+                        self.info.count(mb) if carries_loss(key) else -1.0)
+        what = (f"{self.channels.name(kind)} of micro-batch {mb} to stage {self.virtual_stage} "
+                f"on rank {self.rank}")
         self._isend(header.encode().to(self.device), HEADER_TAG, what)
         if meta_data is not None:
             self._isend(meta_data, META_TAG, what)
@@ -190,34 +205,6 @@ class Outbox:
         raise RuntimeError("an Outbox only sends; its stage runs on another rank")
 
 
-@dataclass
-class Flow:
-    """Messages of one kind into local virtual stage ``virtual_stage`` from stage ``src_stage``
-    on rank ``src_rank``: ``count`` of them this step."""
-
-    kind: str
-    virtual_stage: int
-    src_rank: int
-    src_stage: int
-    count: int
-
-
-@dataclass
-class Link:
-    """Everything one peer rank sends to this rank in a step, in the order it sends it."""
-
-    src_rank: int
-    flows: List[Flow]
-
-    @property
-    def count(self) -> int:
-        return sum(f.count for f in self.flows)
-
-    def describe(self) -> str:
-        return ", ".join(f"{f.kind} of stage {f.src_stage} -> {f.virtual_stage}"
-                         for f in self.flows)
-
-
 class PeerFailed(RuntimeError):
     """The peer rank sent a failure notice instead of the message this rank waited for."""
 
@@ -233,13 +220,16 @@ class Inbox:
     sender's does.
     """
 
-    def __init__(self, src_rank: int, transport: Transport, payloads: PeerPayloads) -> None:
+    def __init__(self, src_rank: int, src_stage: int, transport: Transport,
+                 payloads: PeerPayloads) -> None:
         self.src_rank = src_rank
+        self.src_stage = src_stage  # the peer's physical stage: the keys' peer
         self.transport = transport
-        self.kinds, self.info, self.device = transport.kinds, transport.info, transport.device
+        self.channels, self.info, self.device = (transport.channels, transport.info,
+                                                 transport.device)
         self.payloads = payloads
         self.remaining: Optional[int] = 0  # messages still expected this step (None: unknown)
-        self._meta: Dict[Tuple[int, str], Meta] = {}
+        self._meta: Dict[Tuple[int, int], Meta] = {}
         self._posted: Optional[Tuple[Any, torch.Tensor, Optional[Tuple[Any, torch.Tensor]]]] = None
 
     def begin(self, count: Optional[int]) -> None:
@@ -267,15 +257,15 @@ class Inbox:
         header = Header.decode(buffer.cpu())
         if header.kind == ABORT_KIND:
             raise PeerFailed(self._text(header, timeout))
-        if not 0 <= header.kind < len(self.kinds.names) or \
+        if not 0 <= header.kind < len(self.channels) or \
                 not 0 <= header.dst_stage < len(mailboxes):
             raise ValueError(f"a message of kind {header.kind} for stage {header.dst_stage}: do "
                              f"all ranks build the same model (same skip connections, stages)?")
         key, message = self._message(header, early, timeout)
-        if key[0] == "grad" and not math.isnan(header.loss):
+        if carries_loss(key) and not math.isnan(header.loss):
             self.info.losses.setdefault(header.microbatch,
                                         torch.tensor(header.loss, dtype=header.loss_dtype))
-        if key[0] == "grad" and header.count >= 0 and self.info.token_mean:
+        if carries_loss(key) and header.count >= 0 and self.info.token_mean:
             self.info.token_mean.count(header.microbatch, header.count)  # before any backward
         if self.remaining is not None:
             self.remaining -= 1
@@ -307,9 +297,8 @@ class Inbox:
         return data.cpu().numpy().tobytes().decode(errors="replace")
 
     def _message(self, header: Header, early: Optional[Tuple[Any, torch.Tensor]],
-                 timeout: float) -> Tuple[Key, Any]:
-        kind = self.kinds.names[header.kind]
-        where = (header.dst_stage, kind)
+                 timeout: float) -> Tuple[Comm, Message]:
+        where = (header.dst_stage, header.kind)
         if header.meta_nbytes:
             data = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=self.device)
             self._recv(data, META_TAG, timeout)
@@ -328,7 +317,7 @@ class Inbox:
             if n:
                 self._recv(buffer, PAYLOAD_TAG, timeout)
         self.payloads.last[self.src_rank] = n
-        key = self.kinds.key(kind, header.microbatch)
+        key = self.channels.key(header.kind, self.src_stage, header.microbatch, header.dst_stage)
         return key, from_meta(meta, unpack(buffer, meta.layouts))
 
 
@@ -343,19 +332,17 @@ def send_failure(rank: int, group: Any, device: torch.device, reason: str,
         log.add(dist.isend(part, rank, group=group, tag=tag), [part], "failure notice")
 
 
-def to_meta(message: Any, tensors: List[Optional[torch.Tensor]]) -> Meta:
+def to_meta(message: Message, tensors: List[Optional[torch.Tensor]]) -> Meta:
     """The picklable structure of a stage message (the runtime's sentinels become flags)."""
-    from . import step
-    mask = [x is step._TENSOR for x in message.constants]
+    mask = [x is TENSOR for x in message.constants]
     constants = [None if is_tensor else x for x, is_tensor in zip(message.constants, mask)]
-    spec = None if message.spec is step._BARE else message.spec
+    spec = None if message.spec is BARE else message.spec
     return Meta(spec, constants, mask, list(message.requires_grad), layouts_of(tensors))
 
 
-def from_meta(meta: Meta, tensors: List[Optional[torch.Tensor]]) -> Any:
+def from_meta(meta: Meta, tensors: List[Optional[torch.Tensor]]) -> Message:
     """The stage message a received ``meta`` and payload stand for."""
-    from . import step
-    constants = [step._TENSOR if is_tensor else x
+    constants = [TENSOR if is_tensor else x
                  for x, is_tensor in zip(meta.constants, meta.tensor_mask)]
-    spec = step._BARE if meta.spec is None else meta.spec
-    return step.Message(spec, constants, Parcel(tensors), list(meta.requires_grad))
+    spec = BARE if meta.spec is None else meta.spec
+    return Message(spec, constants, Parcel(tensors), list(meta.requires_grad))

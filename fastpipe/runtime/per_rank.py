@@ -21,10 +21,10 @@ from ..errors import PeerLost, PipelineAborted, PipelineError
 from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
 from .board import Board, wait_work
-from .dist_executor import DistributedExecutor, Topology, flows, last_gradient_actions, links
+from .dist_executor import DistributedExecutor, Topology, last_gradient_actions
 from .driver import Driver
 from .grad_sync import GradSync
-from .p2p import Kinds
+from .lowering import skip_links
 from .step import StepState
 from .tied_sync import TiedSync
 from .trace import StepRecorder
@@ -50,7 +50,6 @@ class PerRankDriver(Driver):
         self.stages = list(stages)
         self.local = [k for k, owner in enumerate(topology.owner) if owner == topology.rank]
         self.skips = {k: where for k, where in skips.items() if k in self.local}
-        names = sorted({name for where in skips.values() for name, _ in where.sends})
         self.timeout = timeout
         self.searches_chunks = topology.local(0)
         self.shows_next_count = False
@@ -58,7 +57,7 @@ class PerRankDriver(Driver):
         self.board = Board(f"pipe{next(_instances)}", topology.rank,
                            ranks=dist.get_process_group_ranks(topology.group))
         self.executor = DistributedExecutor(topology, self.board, self._after_action,
-                                            Kinds(names), self.skips)
+                                            skip_links(skips.values()))
         self.data_group = data_group
         self.replicas = 1 if data_group is None else dist.get_world_size(data_group)
         self.grad_sync = GradSync(data_group, self.board, timeout) if self.replicas > 1 else None
@@ -121,10 +120,9 @@ class PerRankDriver(Driver):
         info.step, info.num_microbatches, info.batch_size = self.steps, len(sizes), sum(sizes)
         info.losses = step.losses  # filled by the last stage or by the headers
         info.token_mean = step.token_mean  # counts of (loss_sum, count) losses, from headers
-        kinds = ["act", "grad"] if train else ["act"]
-        found = flows(self.topology, self.local, len(self.stages),
-                      {k: len(sizes) for k in kinds}, self.skips)
-        self.executor.expect(list(links(found).values()), learned_from)
+        schedule = plan(len(sizes))
+        rows = schedule.actions if train else schedule.forward_actions
+        self.executor.expect(schedule, rows, learned_from)
         return sizes
 
     def _learn(self, step: StepState, src: int, sizes: Optional[List[int]],

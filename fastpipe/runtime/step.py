@@ -3,6 +3,8 @@
 A step is either a training step (``train``: stage boundaries are detached, each stage runs its
 own backward, gradients travel back through mailboxes) or a forward pass (``forward``: the
 autograd graph stays connected across stages so the caller can backprop through the output).
+What an action takes from its mailbox and where it sends its results come from the step's
+lowered programs (:mod:`fastpipe.runtime.lowering`): each message is keyed by its receive op.
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ..policies.amp import autocast_regions, autocast_state, scale_loss
 from ..policies.checkpoint import (backward_pairs, checkpointing, grad_pairs, microbatch_seed,
@@ -21,21 +22,11 @@ from ..errors import LossFunctionError
 from .token_mean import split_count
 from ..policies.selective import run_stage
 from ..schedule import Action, ActionKind
-from .hop import Parcel, land, ship
+from .hop import land, ship
+from .lowering import Place, Route
 from .mailbox import Abort, Mailbox
+from .message import TENSOR, as_leaf, flatten, post, post_grads, take, unflatten
 from .stage import Stage
-
-_TENSOR = object()  # marks where a tensor sits among a message's leaves
-
-
-@dataclass
-class Message:
-    """A pytree sent between stages: its structure, its constants and its shipped tensors."""
-
-    spec: Any
-    constants: List[Any]
-    parcel: Parcel
-    requires_grad: List[bool]
 
 
 @dataclass
@@ -70,6 +61,7 @@ class StepState:
 
     def __post_init__(self) -> None:
         self.mailboxes: List[Mailbox] = []  # wired by the executor
+        self.routes: Dict[Place, Route] = {}  # each action's messages, set by the executor
         self.autocast = autocast_state(stage.device.type for stage in self.stages)
 
     def ambient(self) -> contextlib.ExitStack:
@@ -94,80 +86,29 @@ class StepState:
         self.completed += 1
 
 
-_BARE = object()  # the spec of a value that is a single tensor (the common case, kept fast)
-
-
-def _flatten(value: Any) -> Tuple[List[Any], Any]:
-    if isinstance(value, torch.Tensor):
-        return [value], _BARE
-    return pytree.tree_flatten(value)
-
-
-def _unflatten(leaves: List[Any], spec: Any) -> Any:
-    return leaves[0] if spec is _BARE else pytree.tree_unflatten(leaves, spec)
-
-
 def _moved(value: Any, device: torch.device) -> Tuple[List[Any], Any]:
     """The leaves of ``value`` with its tensors on ``device`` (caller-side inputs and targets)."""
-    leaves, spec = _flatten(value)
+    leaves, spec = flatten(value)
     moved = iter(land(ship([x for x in leaves if isinstance(x, torch.Tensor)], device), device))
     return [next(moved) if isinstance(x, torch.Tensor) else x for x in leaves], spec
 
 
-def _send(step: StepState, dst: int, key: Tuple[str, int], value: Any, detach: bool,
-          differentiable: bool = False) -> None:
-    """Ship ``value`` to stage ``dst``. ``differentiable`` marks floating-point tensors as
-    wanting a gradient even without a graph (a checkpointed forward ran without one)."""
-    leaves, spec = _flatten(value)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    flags = [t.requires_grad or (differentiable and (t.is_floating_point() or t.is_complex()))
-             for t in tensors]
-    if detach:
-        tensors = [t.detach() for t in tensors]
-    parcel = ship(tensors, step.stages[dst].device)
-    constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-    step.mailboxes[dst].put(key, Message(spec, constants, parcel, flags))
-
-
-def is_ready(step: StepState, stage: Stage, action: Action) -> bool:
-    """Whether ``action`` can run now without waiting: its input has arrived (or it needs none)."""
-    if stage.skips is not None and not stage.skips.ready(step, action):
-        return False  # a skip tensor (F) or its gradient (B) has not arrived (fastpipe.skip)
-    if action.kind == ActionKind.FORWARD:
-        return stage.index == 0 or step.mailboxes[stage.index].has(("act", action.microbatch))
-    if action.kind == ActionKind.BACKWARD:
-        return (stage.index == step.last
-                or step.mailboxes[stage.index].has(("grad", action.microbatch)))
-    return True
-
-
-def _receive(step: StepState, stage: Stage, key: Tuple[str, int], action: Action) -> Message:
-    message = step.mailboxes[stage.index].take(key)
-    message.parcel.tensors = land(message.parcel, stage.device)
-    return message
-
-
-def _as_leaf(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    grad_ok = requires_grad and (t.is_floating_point() or t.is_complex())
-    return t.detach().requires_grad_(grad_ok)
-
-
-def _stage_input(step: StepState, stage: Stage, action: Action) -> Tuple[Any, List[torch.Tensor]]:
+def _stage_input(step: StepState, stage: Stage, route: Route,
+                 mb: int) -> Tuple[Any, List[torch.Tensor]]:
     """The micro-batch input of ``stage`` and, for training, its boundary leaf tensors."""
-    mb = action.microbatch
-    if stage.index == 0:
+    if route.input is None:  # the first stage reads the batch
         leaves, spec = _moved(step.inputs[mb], stage.device)
         flags = [False] * sum(isinstance(x, torch.Tensor) for x in leaves)
     else:
-        message = _receive(step, stage, ("act", mb), action)
+        message = take(step, stage, route.input)
         spec, flags = message.spec, message.requires_grad
         moved = iter(message.parcel.tensors)
-        leaves = [next(moved) if x is _TENSOR else x for x in message.constants]
+        leaves = [next(moved) if x is TENSOR else x for x in message.constants]
     if not step.train:
-        return _unflatten(leaves, spec), []
+        return unflatten(leaves, spec), []
     flag_it = iter(flags)
-    leaves = [_as_leaf(x, next(flag_it)) if isinstance(x, torch.Tensor) else x for x in leaves]
-    return _unflatten(leaves, spec), [x for x in leaves if isinstance(x, torch.Tensor)]
+    leaves = [as_leaf(x, next(flag_it)) if isinstance(x, torch.Tensor) else x for x in leaves]
+    return unflatten(leaves, spec), [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 @dataclass
@@ -181,7 +122,7 @@ class Held:
 
 
 def _loss(step: StepState, stage: Stage, mb: int, output: Any) -> torch.Tensor:
-    targets = _unflatten(*_moved(step.targets[mb], stage.device))
+    targets = unflatten(*_moved(step.targets[mb], stage.device))
     try:
         loss = step.loss_fn(output, targets)
     except Exception as error:
@@ -222,7 +163,7 @@ def check_loss(loss: Any, mb: int) -> None:
 
 def _shapes(value: Any) -> str:
     """The shapes of a value's tensors, for error messages."""
-    leaves = [x for x in _flatten(value)[0] if isinstance(x, torch.Tensor)]
+    leaves = [x for x in flatten(value)[0] if isinstance(x, torch.Tensor)]
     shapes = ", ".join(f"{tuple(x.shape)} {x.dtype}" for x in leaves[:4])
     return f"[{shapes}{', ...' if len(leaves) > 4 else ''}]"
 
@@ -234,25 +175,26 @@ def _backprop_roots(step: StepState, stage: Stage, mb: int, output: Any) -> List
         loss = _loss(step, stage, mb, output)
         step.losses.setdefault(mb, loss.detach())
         return [scale_loss(step.scaler, loss)]
-    return [x for x in _flatten(output)[0] if isinstance(x, torch.Tensor)]
+    return [x for x in flatten(output)[0] if isinstance(x, torch.Tensor)]
 
 
 def forward_action(step: StepState, stage: Stage, action: Action) -> None:
     """F: run one micro-batch through the stage and pass the result on."""
     mb = action.microbatch
-    inputs, boundary = _stage_input(step, stage, action)
+    route = step.routes[stage.index, action.kind, mb]
+    inputs, boundary = _stage_input(step, stage, route, mb)
     if stage.skips is not None:  # pack the popped skip tensors with the input (fastpipe.skip)
-        inputs, boundary = stage.skips.receive(step, stage, action, inputs, boundary)
+        inputs, boundary = stage.skips.receive(step, stage, route, inputs, boundary)
     seed = microbatch_seed(step.seed, stage.index, mb)
     checkpoint = step.grad_enabled and mb < step.checkpoint_stop
     if not step.train:
         output = (stage.forward(inputs, seed, True) if checkpoint
                   else run_stage(step.checkpoint_mode, stage, inputs, seed))  # selective policy
         output, _ = _skips_out(step, stage, mb, output, False)
-        if stage.index == step.last:
+        if route.output is None:  # the last stage keeps the output
             step.outputs[mb] = output
         else:
-            _send(step, stage.index + 1, ("act", mb), output, detach=False)
+            post(step, *route.output, output, detach=False)
         return
     if checkpoint:  # keep the input only; backward recomputes the forward
         with torch.no_grad(), checkpointing():
@@ -268,8 +210,8 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
             held = Held(boundary, outputs=_backprop_roots(step, stage, mb, output) + stashed)
     step.saved[(stage.index, mb)] = held
     step.hold(stage.index, 1)
-    if stage.index != step.last:
-        _send(step, stage.index + 1, ("act", mb), output, detach=True, differentiable=checkpoint)
+    if route.output is not None:
+        post(step, *route.output, output, detach=True, differentiable=checkpoint)
 
 
 def _skips_out(step: StepState, stage: Stage, mb: int, output: Any,
@@ -293,16 +235,17 @@ def backward_action(step: StepState, stage: Stage, action: Action) -> None:
     """B: backpropagate one micro-batch and send the input gradient back. When the schedule
     has a W for it, B computes the input gradient only and keeps the graph for W."""
     mb = action.microbatch
+    route = step.routes[stage.index, action.kind, mb]
     held = step.saved[(stage.index, mb)]
     offload.prefetch(step.checkpoint_mode, stage, mb)
     if held.inputs is not None:
         _recompute(step, stage, mb, held)
-    if stage.index == step.last:
+    if route.input is None:  # the last stage starts from its loss
         grads: List[Optional[torch.Tensor]] = [torch.ones_like(held.outputs[0])]
     else:
-        grads = list(_receive(step, stage, ("grad", mb), action).parcel.tensors)
+        grads = list(take(step, stage, route.input).parcel.tensors)
     if stage.skips is not None:  # the gradients of the tensors it stashed for later stages
-        grads += stage.skips.receive_grads(step, stage, action)
+        grads += stage.skips.receive_grads(step, stage, route)
     if (stage.index, mb) in step.split:
         input_grads = _input_grads(held, grads)
         held.grads = grads
@@ -311,10 +254,9 @@ def backward_action(step: StepState, stage: Stage, action: Action) -> None:
         input_grads = [x.grad if x.requires_grad else None for x in held.boundary]
         _release(step, stage, mb)
     if stage.skips is not None:  # the popped tensors' gradients go back to their producers
-        input_grads = stage.skips.send_grads(step, mb, input_grads)
-    if stage.index > 0:
-        parcel = ship(input_grads, step.stages[stage.index - 1].device)
-        step.mailboxes[stage.index - 1].put(("grad", mb), Message(None, [], parcel, []))
+        input_grads = stage.skips.send_grads(step, route, input_grads)
+    if route.output is not None:
+        post_grads(step, *route.output, input_grads)
 
 
 def _input_grads(held: Held, grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:

@@ -13,7 +13,7 @@ from .gpipe import gpipe
 from .interleaved import interleaved
 from .ir import Action, ActionKind, Schedule, ScheduleError, check_count
 from .looped_bfs import looped_bfs
-from .lower import Comm, CommGroup, CommKind, Op, Payload, format_program, lower
+from .lower import Comm, CommGroup, CommKind, Op, Payload, SkipLink, format_program, lower
 from .one_f_one_b import one_f_one_b
 from .pipedream import pipedream
 from .recommend import Recommendation, recommend
@@ -40,6 +40,7 @@ __all__ = [
     "ScheduleError",
     "ScheduleFn",
     "SimulationResult",
+    "SkipLink",
     "Timeline",
     "ValidationReport",
     "dualpipev",

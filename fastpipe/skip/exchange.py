@@ -2,11 +2,10 @@
 
 A stage with skips runs its layers as ``(input, {name: popped}) -> (output, {name: stashed})``
 (:class:`Framed`, the stage's ``call``), so checkpointing treats the skip tensors as inputs and
-outputs like any other and a recomputation stashes again without sending. Skip tensors travel
-as ``Message`` values under the key ``("skip", name, micro-batch)`` in the consumer's mailbox, and
-their gradients under ``("skipgrad", name, micro-batch)`` in the producer's: the consumer runs its
-backward first (it is downstream), so the producer's backward waits for that gradient and adds
-it to its own. A front door that routes mailbox keys between processes carries them unchanged.
+outputs like any other and a recomputation stashes again without sending. Skip tensors and
+their gradients are messages of the step's lowered programs like any other (their ``Comm`` names
+the skip connection; see :mod:`fastpipe.runtime.lowering`): the consumer runs its backward first
+(it is downstream), so the producer's backward waits for that gradient and adds it to its own.
 """
 from __future__ import annotations
 
@@ -14,9 +13,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..runtime.hop import ship
-from ..runtime.step import Message, StepState, _as_leaf, _receive, _send
-from ..schedule import Action, ActionKind
+from ..runtime.lowering import Route
+from ..runtime.message import as_leaf, post, post_grads, take
+from ..runtime.step import StepState
+from ..schedule import ActionKind
 from . import api
 from .layout import StageSkips
 
@@ -94,24 +94,15 @@ class StageExchange:
         self.skips = skips
         self.index = skips.index
 
-    def ready(self, step: StepState, action: Action) -> bool:
-        """Whether the skip tensors (F) or skip gradients (B) ``action`` needs have arrived."""
-        box, mb = step.mailboxes[self.index], action.microbatch
-        if action.kind is ActionKind.FORWARD:
-            return all(box.has(("skip", name, mb)) for name, _ in self.skips.receives)
-        if action.kind is ActionKind.BACKWARD:
-            return all(box.has(("skipgrad", name, mb)) for name, _ in self.skips.sends)
-        return True
-
-    def receive(self, step: StepState, stage: Any, action: Action, inputs: Any,
+    def receive(self, step: StepState, stage: Any, route: Route, inputs: Any,
                 boundary: List[torch.Tensor]) -> Tuple[Any, List[torch.Tensor]]:
         """The stage's packed input ``(input, popped)``; in training the popped tensors are
         boundary leaves too (their gradients go back to the producers)."""
         popped: Tensors = {}
         for name, _ in self.skips.receives:
-            message = _receive(step, stage, ("skip", name, action.microbatch), action)
+            message = take(step, stage, route.skip_inputs[name])
             tensor = message.parcel.tensors[0] if message.parcel.tensors else None  # stash(n, None)
-            popped[name] = (_as_leaf(tensor, message.requires_grad[0])
+            popped[name] = (as_leaf(tensor, message.requires_grad[0])
                             if step.train and tensor is not None else tensor)
         leaves = _roots(popped) if step.train else []
         return (inputs, popped), boundary + leaves
@@ -121,9 +112,10 @@ class StageExchange:
         """Send the stashed tensors to their consumers; the stage's own output and the stashed
         tensors (extra roots of the stage's backward)."""
         value, stashed = output
-        for name, dst in self.skips.sends:
-            _send(step, dst, ("skip", name, mb), stashed[name], detach=step.train,
-                  differentiable=differentiable)
+        route = step.routes[self.index, ActionKind.FORWARD, mb]
+        for name, _ in self.skips.sends:
+            post(step, *route.skip_outputs[name], stashed[name], detach=step.train,
+                 differentiable=differentiable)
         return value, _roots(stashed)
 
     @staticmethod
@@ -132,20 +124,18 @@ class StageExchange:
         value, stashed = output
         return value, _roots(stashed)
 
-    def receive_grads(self, step: StepState, stage: Any,
-                      action: Action) -> List[Optional[torch.Tensor]]:
+    def receive_grads(self, step: StepState, stage: Any, route: Route) -> List[Optional[torch.Tensor]]:
         """The gradients of the tensors this stage stashed, from their consumers."""
-        return [_receive(step, stage, ("skipgrad", name, action.microbatch), action)
-                .parcel.tensors[0] for name, _ in self.skips.sends]
+        return [take(step, stage, route.skip_inputs[name]).parcel.tensors[0]
+                for name, _ in self.skips.sends]
 
-    def send_grads(self, step: StepState, mb: int, input_grads: List[Optional[torch.Tensor]]
+    def send_grads(self, step: StepState, route: Route, input_grads: List[Optional[torch.Tensor]]
                    ) -> List[Optional[torch.Tensor]]:
         """Send the popped tensors' gradients (the tail of ``input_grads``) to their producers;
         returns the gradients of the stage's ordinary input."""
         head = len(input_grads) - len(self.skips.receives)
-        for (name, src), grad in zip(self.skips.receives, input_grads[head:]):
-            parcel = ship([grad], step.stages[src].device)
-            step.mailboxes[src].put(("skipgrad", name, mb), Message(None, [], parcel, []))
+        for (name, _), grad in zip(self.skips.receives, input_grads[head:]):
+            post_grads(step, *route.skip_outputs[name], [grad])
         return input_grads[:head]
 
 
