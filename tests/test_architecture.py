@@ -126,6 +126,16 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert any("fastpipe.schedule.ir" in c for c in _cycles(planted))
 
 
+def test_no_module_imports_another_modules_private_names():
+    assert PRIVATE == []
+
+
+def test_the_private_name_check_sees_a_planted_one():
+    tree = ast.parse("from .step import _send")
+    (node,) = _runtime_imports(tree)
+    assert _targets("fastpipe.skip.exchange", node) == [("fastpipe.skip.step", ["_send"])]
+
+
 # The layers of ARCHITECTURE.md, bottom first: a module imports its own layer or lower ones.
 LAYERS = [
     ("fastpipe.errors", "fastpipe.version", "fastpipe.schedule"),
