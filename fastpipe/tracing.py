@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx, nn
@@ -350,15 +350,6 @@ def split(module: nn.Module, split_points: SplitPoints, example: Any,
     stages_module = nn.Sequential(*parts)
     stages_module.train(mode)
     return Split(module, stages_module, points)
-
-
-def shared_parameters(stages: nn.Sequential) -> List[Set[int]]:
-    """For each parameter read by several stages, the indices of those stages."""
-    users: Dict[int, Set[int]] = {}
-    for k, stage in enumerate(stages):
-        for p in stage.parameters():
-            users.setdefault(id(p), set()).add(k)
-    return [s for s in users.values() if len(s) > 1]
 
 
 def wanted(module: Any, split_points: Any) -> bool:

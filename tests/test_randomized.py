@@ -1,5 +1,7 @@
 """Randomized transparency: seeded random layouts, schedules, checkpoint modes and uneven batches,
-each trained for a few steps and compared with the plain model (loss and every gradient).
+each trained for a few steps and compared with the plain model (loss and every gradient). Some
+models are traced (a module with a block list, ``split_points='auto'``) and some losses come as
+``(loss_sum, count)`` over masked targets, compared with the plain model's mean over the mask.
 
 The configurations are drawn once from a fixed seed, so a failure names a reproducible case. A
 wrong gradient that depends on the memory layout (a saved tensor mistaken for another) shows up
@@ -37,11 +39,14 @@ class Config:
     batches: List[int]
     dtype: torch.dtype
     seed: int
+    traced: bool = False  # the model as a module with a block list, traced (split_points)
+    token: bool = False  # loss_fn returns (loss_sum, count) over masked targets
 
     def __str__(self) -> str:
         return (f"{self.schedule}-v{self.virtual}-{self.checkpoint}-p{self.stages}-"
                 f"m{self.chunks}-b{'.'.join(map(str, self.batches))}-"
-                f"{str(self.dtype)[6:]}-{self.seed}")
+                f"{str(self.dtype)[6:]}{'-traced' if self.traced else ''}"
+                f"{'-token' if self.token else ''}-{self.seed}")
 
 
 def _draw(rng: random.Random, seed: int) -> Config:
@@ -50,11 +55,14 @@ def _draw(rng: random.Random, seed: int) -> Config:
     stages = rng.randint(1, 3) if virtual == 1 else rng.randint(1, 2)
     chunks = rng.choice([1, 2, 3, 4, 5, 8]) if schedule in ("gpipe", "1f1b", "zb-h1") \
         else stages * rng.randint(1, 3)
-    return Config(schedule, virtual, rng.choice(MODES), stages,
-                  [rng.choice(BLOCKS) for _ in range(stages * virtual + rng.randint(0, 2))],
-                  rng.choice([4, 5, 8]), chunks,
-                  [_batch(rng, chunks, stages, virtual) for _ in range(3)],
-                  rng.choice([torch.float32, torch.float64]), seed)
+    config = Config(schedule, virtual, rng.choice(MODES), stages,
+                    [rng.choice(BLOCKS) for _ in range(stages * virtual + rng.randint(0, 2))],
+                    rng.choice([4, 5, 8]), chunks,
+                    [_batch(rng, chunks, stages, virtual) for _ in range(3)],
+                    rng.choice([torch.float32, torch.float64]), seed)
+    config.traced = rng.random() < 0.25  # tracing costs about a second: a quarter of them
+    config.token = rng.random() < 0.5
+    return config
 
 
 def _batch(rng: random.Random, chunks: int, stages: int, virtual: int) -> int:
@@ -78,32 +86,69 @@ def _block(kind: str, width: int) -> List[nn.Module]:
     return [nn.Linear(width, width), nn.Dropout(0.2), nn.GELU()]
 
 
-def _model(config: Config) -> nn.Sequential:
+class Blocks(nn.Module):
+    """The same layers as a module with a list of blocks and a head (not a Sequential)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(*_block(kind, config.width))
+                                    for kind in config.blocks)
+        self.head = nn.Linear(config.width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _model(config: Config) -> nn.Module:
     torch.manual_seed(config.seed)
+    if config.traced:
+        return Blocks(config).to(config.dtype)
     layers = [layer for kind in config.blocks for layer in _block(kind, config.width)]
     return nn.Sequential(*layers, nn.Linear(config.width, 3)).to(config.dtype)
+
+
+def token_sum(output: torch.Tensor, targets: tuple) -> tuple:
+    """A masked squared error: its sum over the counted elements, and how many there are."""
+    y, mask = targets
+    return ((output - y) ** 2 * mask).sum(), mask.sum()
+
+
+def token_mean(output: torch.Tensor, targets: tuple) -> torch.Tensor:
+    total, count = token_sum(output, targets)
+    return total / count
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_random_configuration_matches_the_plain_model(config):
     model = _model(config)
     plain = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(config.seed)
+    example = torch.randn(config.batches[0], config.width, dtype=config.dtype)
     try:
         pipe = fastpipe.Pipe(model, chunks=config.chunks, devices=["cpu"] * config.stages,
                              schedule=config.schedule, virtual_stages=config.virtual,
-                             checkpoint=config.checkpoint)
+                             checkpoint=config.checkpoint,
+                             split_points="auto" if config.traced else None,
+                             example_inputs=example if config.traced else None)
     except (ValueError, ScheduleError) as error:  # a layout this schedule cannot run
         pytest.skip(f"layout refused as expected by the schedule: {error}")
-    generator = torch.Generator().manual_seed(config.seed)
     dropout = "linear-dropout-gelu" in config.blocks
     for batch in config.batches:
         x = torch.randn(batch, config.width, generator=generator, dtype=config.dtype)
         y = torch.randn(batch, 3, generator=generator, dtype=config.dtype)
+        mask = (torch.rand(batch, 3, generator=generator) < 0.6).to(config.dtype)
+        mask[0, 0] = 1.0  # at least one counted element
         if dropout:  # the plain model cannot replay per-micro-batch dropout: compare in eval
             pipe.eval(), plain.eval()
         pipe.zero_grad(set_to_none=True)
-        expected_loss, expected = reference(plain, x, y, nn.MSELoss())
-        loss = pipe.train_step(x, y, nn.MSELoss())
+        if config.token:  # a mean over the counted elements of the whole batch
+            expected_loss, expected = reference(plain, x, (y, mask), token_mean)
+            loss = pipe.train_step(x, (y, mask), token_sum)
+        else:
+            expected_loss, expected = reference(plain, x, y, nn.MSELoss())
+            loss = pipe.train_step(x, y, nn.MSELoss())
         assert loss.dtype == config.dtype
         tolerance = dict(rtol=1e-5, atol=1e-6) if config.dtype == torch.float32 else \
             dict(rtol=1e-10, atol=1e-12)
