@@ -128,10 +128,11 @@ class DistributedPipe(FrontDoor):
         stages: List[Any] = []
         init = materialise.check_init_weights(init_weights)
         if isinstance(module, nn.Module):  # meta tensors this rank uses get memory, ties kept
-            new = materialise.materialise_used(
+            pairs = materialise.materialise_used(
                 traced if traced is not None else module,
                 [layers[i] for k in range(p * v) if owner[k] == rank
                  for i in range(starts[k], starts[k + 1])], self._device, init)
+            new = {id(old): value for old, value in pairs}  # pairs hold the old: ids unique
             shared = [dataclasses.replace(w, parameter=new.get(id(w.parameter), w.parameter))
                       for w in shared]
         for k in range(p * v):

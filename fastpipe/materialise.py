@@ -58,35 +58,35 @@ def materialise_layer(layer: nn.Module, device: torch.device, init_weights: Init
 
 
 def materialise_used(module: nn.Module, parts: Sequence[nn.Module], device: torch.device,
-                     init_weights: InitWeights) -> Dict[int, torch.Tensor]:
+                     init_weights: InitWeights) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """Give memory on ``device`` to the meta tensors of ``module`` that ``parts`` (its layers, or
     traced stages reading its tensors) use, initialise them, and point ``parts`` at them.
-    Returns the new tensors by the ``id`` of the meta ones they replace."""
+    Returns (meta tensor, its replacement) pairs; holding the meta tensors keeps their ids
+    unique, so a caller may match its own references by ``id`` while it holds the pairs."""
     used = {id(t) for part in parts for t in [*part.parameters(), *part.buffers()]}
-    homes: Dict[int, List[Tuple[nn.Module, str, bool]]] = {}  # old tensor -> where it lives
-    old: List[torch.Tensor] = []  # alive until the end: their ids must not be reused meanwhile
+    homes: Dict[int, List[Tuple[nn.Module, str]]] = {}  # old tensor -> where it lives
+    old: Dict[int, torch.Tensor] = {}  # held to the end: their ids are not reused meanwhile
     for sub in module.modules():
-        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+        for table in (sub._parameters, sub._buffers):
             for name, tensor in table.items():
                 if tensor is not None and id(tensor) in used and tensor.is_meta:
-                    homes.setdefault(id(tensor), []).append((sub, name, is_param))
-                    old.append(tensor)
-    owners = list({id(sub): sub for places in homes.values() for sub, _, _ in places}.values())
+                    homes.setdefault(id(tensor), []).append((sub, name))
+                    old[id(tensor)] = tensor
+    owners = list({id(sub): sub for places in homes.values() for sub, _ in places}.values())
     for sub in owners:
         sub.to_empty(device=device, recurse=False)
     new: Dict[int, torch.Tensor] = {}
     for key, places in homes.items():  # a tensor held in several places stays one tensor
-        first, name, _ = places[0]
+        first, name = places[0]
         new[key] = getattr(first, name)
-        for sub, other, _ in places[1:]:
+        for sub, other in places[1:]:
             setattr(sub, other, new[key])
     for sub in owners:
         initialise(sub, init_weights)
     for part in parts:
         _rebind(part, new)
         part.to(device)  # the device constants of traced graphs follow
-    del old
-    return new
+    return [(old[key], new[key]) for key in new]
 
 
 def _rebind(part: nn.Module, new: Dict[int, torch.Tensor]) -> None:
