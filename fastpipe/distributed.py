@@ -103,7 +103,8 @@ class DistributedPipe(FrontDoor):
         if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
             group = process_group if process_group is not None else dist.group.WORLD
             count = dist.get_world_size(group) * resolve_virtual_stages(virtual_stages, schedule)
-            module = tracing.stages_of(traced, split_points, example_inputs, count, follow=False)
+            module = tracing.stages_of(traced, split_points, example_inputs, count, follow=False,
+                                       deferred_batch_norm=deferred_batch_norm)
         layers = _check_layers(module)
         layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
                               deferred_batch_norm)

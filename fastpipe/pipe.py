@@ -95,10 +95,10 @@ class Pipe(FrontDoor):
         traced = module if tracing.wanted(module, split_points) else None
         if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
             check_materialised(traced)
-            module, balance = tracing.stages_of(
-                traced, split_points, example_inputs,
-                tracing.stage_count(devices, resolve_virtual_stages(virtual_stages,
-                                                                    schedule))), None
+            count = tracing.stage_count(devices, resolve_virtual_stages(virtual_stages, schedule))
+            module = tracing.stages_of(traced, split_points, example_inputs, count,
+                                       deferred_batch_norm=deferred_batch_norm)
+            balance = None
         module = check_module(module)
         check_materialised(module)
         layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,

@@ -366,7 +366,8 @@ def stage_count(devices: Any, virtual_stages: int) -> int:
 
 
 def stages_of(module: nn.Module, split_points: Any, example_inputs: Any,
-              stages: int, follow: bool = True) -> nn.Sequential:
+              stages: int, follow: bool = True,
+              deferred_batch_norm: Any = False) -> nn.Sequential:
     """The front doors' entry: ``module`` as an ``nn.Sequential`` of traced stages (checked
     arguments, clear errors before any work). ``follow``: the stages take their train/eval mode
     from ``module`` (a front door that keeps ``module`` as its child); else from their own."""
@@ -386,6 +387,11 @@ def stages_of(module: nn.Module, split_points: Any, example_inputs: Any,
                              f"pipeline has {stages} (devices x virtual_stages); give "
                              f"{stages - 1} split points, or split_points='auto'")
     parts = split(module, points, example_inputs, stages).stages
+    if deferred_batch_norm is True and any(part.mutated_buffers for part in parts):
+        raise NotImplementedError(
+            f"deferred_batch_norm=True does not reach the batch norms of a traced "
+            f"{type(module).__name__} (their running statistics would update per micro-batch); "
+            f"pass deferred_batch_norm=False, or the model as an nn.Sequential of its layers")
     if not follow:
         for part in parts:
             part._owner = [part]

@@ -201,6 +201,13 @@ def test_a_resnet_with_batch_norms_matches_the_plain_model_per_micro_batch(check
     torch.testing.assert_close(pipe.evaluate(x), plain.eval()(x), rtol=1e-5, atol=1e-6)
 
 
+def test_deferred_batch_norm_is_refused_for_the_batch_norms_of_a_traced_module():
+    x = torch.randn(6, 3, 8, 8)
+    with pytest.raises(NotImplementedError, match="deferred_batch_norm=True does not reach"):
+        fastpipe.Pipe(ResNet(), chunks=3, devices=["cpu"] * 2, split_points=["layer.2"],
+                      example_inputs=x, deferred_batch_norm=True)
+
+
 class Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
