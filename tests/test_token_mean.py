@@ -90,6 +90,7 @@ def test_even_micro_batches_do_not_warn():
 
 @pytest.mark.parametrize("loss_fn,match", [
     (lambda o, t: (token_loss(o, t)[0], -1), "non-negative"),
+    (lambda o, t: (token_loss(o, t)[0], token_loss(o, t)[0] * 0.1), "whole number"),
     (lambda o, t: (token_loss(o, t)[0], t[1]), "one-element"),
     (lambda o, t: (*token_loss(o, t), 0), "returned 3 values"),
 ])

@@ -11,6 +11,7 @@ are kept apart and not divided.
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
@@ -34,10 +35,12 @@ def split_count(value: Any, microbatch: int) -> Tuple[Any, Optional[float]]:
                                     f"{tuple(count.shape)}; return the number of elements the "
                                     f"sum covers, as an int or a one-element tensor")
         count = count.item()
-    if isinstance(count, bool) or not isinstance(count, (int, float)) or count < 0:
+    if isinstance(count, bool) or not isinstance(count, (int, float)) \
+            or not math.isfinite(count) or count < 0 or count != int(count):
         raise LossFunctionError(f"loss_fn's count for micro-batch {microbatch} is {count!r}; "
                                 f"return (loss_sum, count) with count the number of elements "
-                                f"(tokens) the sum covers, a non-negative number")
+                                f"(tokens) the sum covers, a non-negative whole number (a pair "
+                                f"of losses is not a (sum, count) pair: add them instead)")
     return loss, float(count)
 
 
