@@ -27,7 +27,7 @@ from .policies import tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
 from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
-from .runtime import weight_versions
+from .runtime import backends, weight_versions
 from .runtime.dist_executor import Topology
 from .runtime.per_rank import PerRankDriver, RemoteStage
 from .runtime.stage import Stage
@@ -65,8 +65,16 @@ class DistributedPipe(FrontDoor):
         process_group: the pipeline's ranks, in stage order (default: the whole world).
         data_parallel_group: the replicas of this rank's stage in other pipelines; their
             gradients are averaged (default: none).
-        device: where this rank's layers run: the CPU (the default, and for now the only
-            choice: messages go over gloo, see below).
+        device: where this rank's layers run. Default: ``cuda:LOCAL_RANK`` when the process
+            group carries CUDA tensors over NCCL (``init_process_group()`` with no backend,
+            ``'nccl'`` or ``'cpu:gloo,cuda:nccl'``) and a GPU exists, else the CPU. A device the
+            group has no backend for is refused (``ProcessGroupError``).
+        p2p: how messages move between ranks (``fastpipe.runtime.backends.P2P_MODES``):
+            ``'grouped'`` runs the NCCL program of the schedule (``fastpipe.schedule.lower_nccl``:
+            one ``batch_isend_irecv`` group per exchange, posted in an order proven free of
+            deadlock under NCCL's semantics, every receive sized exactly); ``'tagged'`` sends
+            each message as soon as it is produced and matches it by tags (gloo only);
+            ``'auto'`` (default): ``'grouped'`` on CUDA devices, ``'tagged'`` on the CPU.
         timeout: seconds any wait (a message, a send, a collective) may take before the step
             fails with an error naming the rank, the stage, the action and the micro-batch.
         deferred_batch_norm: as in ``Pipe``: running statistics over the whole mini-batch.
@@ -88,7 +96,7 @@ class DistributedPipe(FrontDoor):
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last", *,
                  virtual_stages: Optional[int] = None, process_group: Optional[Any] = None,
                  data_parallel_group: Optional[Any] = None,
-                 device: Optional[Union[str, torch.device]] = None,
+                 device: Optional[Union[str, torch.device]] = None, p2p: str = "auto",
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
                  tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
                  example_inputs: Optional[Any] = None,
@@ -99,6 +107,8 @@ class DistributedPipe(FrontDoor):
                                "torch.distributed.init_process_group() first (under torchrun the "
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
+        process_group = backends.as_group(process_group, "process_group")
+        data_parallel_group = backends.as_group(data_parallel_group, "data_parallel_group")
         traced = module if tracing.wanted(module, split_points) else None
         if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
             group = process_group if process_group is not None else dist.group.WORLD
@@ -110,6 +120,8 @@ class DistributedPipe(FrontDoor):
                               deferred_batch_norm)
         tie_groups = _check_tied(module, tied)
         self._group = process_group if process_group is not None else dist.group.WORLD
+        self._device = backends.resolve_device(device, self._group)
+        self._p2p = backends.resolve_p2p(p2p, self._device, self._group)
         ranks = dist.get_process_group_ranks(self._group)
         p, v = len(ranks), layout.virtual_stages
         layout = layout.with_balance(_balance(module, layers, balance, p * v))
@@ -117,7 +129,6 @@ class DistributedPipe(FrontDoor):
         plan = self._begin(layout)  # raises for a schedule that cannot run this layout
         rank = dist.get_rank()
         owner = [ranks[plan.stage_of(k)[0]] for k in range(p * v)]
-        self._device = _resolve_device(device, self._group)
         if tie_groups:
             tied_weights.tie(module, tie_groups)
         shared = (tied_weights.find(module, layout.balance)
@@ -151,7 +162,7 @@ class DistributedPipe(FrontDoor):
             self.module = tracing.local_view(traced, self.module)
         object.__setattr__(self, "_stages", stages)
         self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
-                                     layout.timeout)
+                                     layout.timeout, self._p2p)
         skip_exchange.wire(stages, self._driver.skips)
         self._pipedream = (weight_versions.PipeDream(stages)
                            if self._schedule_name == "pipedream" else None)
@@ -168,6 +179,11 @@ class DistributedPipe(FrontDoor):
     def device(self) -> torch.device:
         """Where this rank's layers run."""
         return self._device
+
+    @property
+    def p2p(self) -> str:
+        """The transport this pipe runs: ``'tagged'`` or ``'grouped'``."""
+        return self._p2p
 
     @property
     def num_stages(self) -> int:
@@ -271,22 +287,6 @@ def _materialise(layer: Any, device: torch.device, init_weights: Any) -> nn.Modu
         materialise.materialise_layer(layer, device, init_weights)
         return layer
     return layer.to(device)
-
-
-def _resolve_device(device: Optional[Union[str, torch.device]], group: Any) -> torch.device:
-    """The rank's device; gloo process groups and CPU tensors only, for now."""
-    backend = dist.get_backend(group)
-    if backend != "gloo":
-        raise NotImplementedError(
-            f"DistributedPipe sends its messages over gloo only, for now; this process group "
-            f"uses {backend!r}. NCCL runs a pair of ranks' sends and receives on one stream, and "
-            f"this pipe's order (send when an action ends, receive when an action needs it) can "
-            f"deadlock there. Build the pipeline's group with backend='gloo'")
-    resolved = torch.device("cpu" if device is None else device)
-    if resolved.type != "cpu":
-        raise NotImplementedError(f"device={device!r}: DistributedPipe runs its stages on the "
-                                  f"CPU for now (gloo sends CPU tensors); use device='cpu'")
-    return resolved
 
 
 def init_mesh(pipeline: int, data: int = 1, device_type: str = "cpu") -> Tuple[Any, Any]:

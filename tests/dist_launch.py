@@ -45,8 +45,9 @@ def free_port() -> int:
 
 
 def launch(case: str, world_size: int, limit: float = 120.0,
-           args: Optional[Dict[str, Any]] = None) -> List[RankResult]:
-    """Run ``case`` on ``world_size`` ranks; every process is dead when this returns."""
+           args: Optional[Dict[str, Any]] = None, p2p: str = "auto") -> List[RankResult]:
+    """Run ``case`` on ``world_size`` ranks, its pipes on the ``p2p`` transport; every process
+    is dead when this returns."""
     port = free_port()
     # The parent hosts the key-value store, as torchrun's agent does: a rank that exits early
     # does not take the store (and its peers' failure notices) with it.
@@ -56,7 +57,7 @@ def launch(case: str, world_size: int, limit: float = 120.0,
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", FASTPIPE_CASES_P2P=p2p,
                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(HERE, "dist_cases.py"), case, json.dumps(args or {})],

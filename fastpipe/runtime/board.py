@@ -52,6 +52,26 @@ class Board:
                           f"has exited or the network failed: {error})")
         return self._seen
 
+    def share(self, facts: str) -> None:
+        """Post this rank's facts (how it built the pipe) for the others to compare."""
+        if self.store is not None:
+            try:
+                self.store.set(f"{self.key}/facts/{self.rank}", facts)
+            except Exception:  # noqa: BLE001 - no store: mismatches surface as errors later
+                pass
+
+    def facts(self, ranks: Sequence[int]) -> dict:
+        """The facts every rank of ``ranks`` that built its pipe has posted, by rank."""
+        found = {}
+        for rank in ranks:
+            key = f"{self.key}/facts/{rank}"
+            try:
+                if self.store is not None and self.store.check([key]):
+                    found[rank] = self.store.get(key).decode()
+            except Exception:  # noqa: BLE001 - a lost store: the step's waits will tell
+                pass
+        return found
+
     def check(self) -> None:
         """Raise ``PipelineAborted`` if another rank posted a failure."""
         reason = self.read()

@@ -24,10 +24,14 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PeerLost, PipelineAborted, PipelineError, PipelineTimeout, StageFailure
-from ..schedule import Action, ActionKind, Schedule, SkipLink
+from ..schedule import (Action, ActionKind, Comm, CommGroup, CommKind, Op, Payload, Schedule,
+                        SkipLink)
+from ..schedule.nccl import pair_key
+from ..schedule.lower import comm_fields
 from .board import CHECK_EVERY, Board, wait_work
 from .executor import LocalExecutor, Rows
-from .lowering import Route, is_ready, lowering
+from .grouped import GroupedExchange, Stash
+from .lowering import Route, is_ready, lowering, nccl_programs
 from .mailbox import Mailbox
 from .p2p import (Channels, Inbox, Outbox, PeerFailed, PeerPayloads, SendLog, StepInfo,
                   Transport, TransportError, send_failure)
@@ -54,7 +58,7 @@ class DistributedExecutor(LocalExecutor):
 
     def __init__(self, topology: Topology, board: Board,
                  after_action: Optional[Callable[[StepState, Any, Action], None]] = None,
-                 skips: Sequence[SkipLink] = ()) -> None:
+                 skips: Sequence[SkipLink] = (), grouped: bool = False) -> None:
         super().__init__([[topology.stage]])
         self.skips = tuple(sorted(skips))  # every skip connection of the pipeline
         self.topology = topology
@@ -71,6 +75,12 @@ class DistributedExecutor(LocalExecutor):
         self._outboxes: Dict[int, Outbox] = {}
         self.sends = SendLog()
         self._notices = SendLog()  # failure notices, never waited for
+        # p2p="grouped": this rank runs its NCCL program, messages move in its groups
+        self.exchange = (GroupedExchange(self.transport, topology.stage,
+                                         dist.get_process_group_ranks(topology.group),
+                                         self.sends) if grouped else None)
+        self._program: Tuple[Op, ...] = ()
+        self._learned: Optional[CommGroup] = None  # the group taken to learn the step's size
 
     # ---------------------------------------------------------------- receiving
     def inbox(self, src_rank: int) -> Inbox:
@@ -83,6 +93,8 @@ class DistributedExecutor(LocalExecutor):
     def learn_microbatches(self, src_rank: int, step: StepState) -> Header:
         """Receive the step's first message from ``src_rank`` before the step's size is known
         here, and return its header (it carries the micro-batch count and batch size)."""
+        if self.exchange is not None:
+            return self._learn_grouped(src_rank, step)
         inbox = self.inbox(src_rank)
         inbox.begin(None)
         self._doing(f"waiting for the first message of the step from rank {src_rank}")
@@ -95,6 +107,9 @@ class DistributedExecutor(LocalExecutor):
         that runs ``rows`` of ``schedule`` (as many messages as its lowered program takes)."""
         owner, rank = self.topology.owner, self.topology.rank
         lowered = lowering(schedule, rows, self.skips)
+        if self.exchange is not None:  # the program's groups post the receives
+            self._program = nccl_programs(lowered)[self.topology.stage]
+            return
         counts = Counter(owner[v] for v in lowered.sources(self.topology.stage)
                          if owner[v] != rank)
         with self.peers_named("posting the step's receives"):
@@ -171,6 +186,121 @@ class DistributedExecutor(LocalExecutor):
                 return self.topology.owner[src_stage]
         raise PipelineError(f"action {action} is not ready but lacks no message")
 
+    # ---------------------------------------------------------------- grouped (NCCL programs)
+    def _learn_grouped(self, src_rank: int, step: StepState) -> Header:
+        """Run the first exchange of this rank's program before the step's size is known: the
+        receives of its first action (a forward of micro-batch 0 of its first stage), which do
+        not depend on the size; the program skips that group when it gets there."""
+        owner, ranks = self.topology.owner, dist.get_process_group_ranks(self.topology.group)
+        entry = min(v for v in range(len(owner)) if owner[v] == self.rank)
+        stage = self.topology.stage
+        sources = [(ranks.index(owner[entry - 1]), None)] + [
+            (ranks.index(owner[link.src]), link) for link in self.skips
+            if link.dst == entry and owner[link.src] != self.rank]
+        ops = [Comm(CommKind.RECV, Payload.ACT, peer, 0, entry, link) for peer, link in sources]
+        group = CommGroup(tuple(sorted(ops, key=lambda op: pair_key(stage, comm_fields(op)))))
+        self._doing(f"waiting for the first message of the step from rank {src_rank}")
+        headers = self._exchange(step, group, None)
+        self._learned = group
+        return headers[[op.peer for op in group.ops].index(ranks.index(src_rank))]
+
+    def _exchange(self, step: StepState, group: CommGroup, action: Optional[Action]) -> List[Header]:
+        """One group of the program; errors name this rank and the action it feeds."""
+        assert self.exchange is not None
+        where = self._where(action) if action is not None else {}
+        feeds = (f" (for action {action}, micro-batch {action.microbatch})"
+                 if action is not None else "")
+        deadline = time.monotonic() + step.timeout
+
+        def wait(work: Any, what: str) -> None:
+            self._wait_exchange(work, f"{what}{feeds}", step, deadline, group, where)
+
+        try:
+            with self.peers_named(f"running the exchange {group}"):
+                return self.exchange.run(group, step.mailboxes, wait)
+        except PeerFailed as failure:
+            raise PipelineAborted(f"rank {self.rank} stopped in the exchange {group}{feeds} "
+                                  f"because {failure}") from None
+
+    def _wait_exchange(self, work: Any, what: str, step: StepState, deadline: float,
+                       group: CommGroup, where: Dict[str, Any]) -> None:
+        """Wait for ``work`` until the deadline: blocking on gloo (whose point-to-point works
+        report completion only through ``wait``, and whose timed-out waits close the
+        connection), polling elsewhere (reading the failure board meanwhile)."""
+        if self.topology.device.type == "cpu":
+            self._wait_blocking(work, what, step, deadline, group, where)
+            return
+        pause, next_check = 1e-5, time.monotonic() + CHECK_EVERY
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                reason = self.board.read() or step.abort.reason
+                if reason is not None:
+                    raise PipelineAborted(f"rank {self.rank} stopped waiting for {what} "
+                                          f"because {reason}")
+                next_check = now + CHECK_EVERY
+            if now >= deadline:
+                peers = sorted({op.peer for op in group.ops})
+                ranks = dist.get_process_group_ranks(self.topology.group)
+                raise self.board.blame(PipelineTimeout(
+                    f"rank {self.rank} (stage {self.topology.stage}) timed out after "
+                    f"{step.timeout:g}s in {what}, with rank(s) "
+                    f"{[ranks[p] for p in peers]}: raise timeout=... if stages are this slow",
+                    rank=self.rank, **where), ranks[peers[0]])
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-4)
+        try:
+            work.wait()
+        except RuntimeError as error:
+            peer = dist.get_process_group_ranks(self.topology.group)[group.ops[0].peer]
+            raise self.board.lost(f"waiting for {what}", error, peer) from None
+
+    def _wait_blocking(self, work: Any, what: str, step: StepState, deadline: float,
+                       group: CommGroup, where: Dict[str, Any]) -> None:
+        ranks = dist.get_process_group_ranks(self.topology.group)
+        peer = ranks[group.ops[0].peer]
+        try:
+            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower() and self.board.read() is None:
+                raise self.board.blame(PipelineTimeout(
+                    f"rank {self.rank} (stage {self.topology.stage}) timed out after "
+                    f"{step.timeout:g}s in {what}, with rank {peer}: raise timeout=... if stages "
+                    f"are this slow", rank=self.rank, **where), peer) from error
+            raise self.board.lost(f"waiting for {what}", error, peer) from None
+
+    def _work(self, step: StepState, worker: int, group: List[int], rows: Rows,
+              bell: threading.Condition) -> None:
+        if self.exchange is None:
+            return super()._work(step, worker, group, rows, bell)
+        entries = iter(rows[group[0]])
+        program = self._program
+        with step.ambient():
+            for i, op in enumerate(program):
+                if step.abort.reason is not None:
+                    raise PipelineAborted(f"rank {self.rank} stopped because "
+                                          f"{step.abort.reason}")
+                if isinstance(op, CommGroup):
+                    if self._learned is not None:
+                        self._skip_learned(op)
+                        continue
+                    feeds = next((a for a in program[i:] if isinstance(a, Action)), None)
+                    self._doing(f"in the exchange {op}")
+                    self._exchange(step, op, feeds)
+                    continue
+                action, route = next(entries)
+                if action != op or not is_ready(step, route):
+                    raise PipelineError(f"rank {self.rank} reached action {op} without its "
+                                        f"messages: the program and the schedule disagree")
+                self._run_action(step, worker, step.stages[route.virtual_stage], action)
+        return None
+
+    def _skip_learned(self, group: CommGroup) -> None:
+        learned, self._learned = self._learned, None
+        if group != learned:
+            raise PipelineError(f"rank {self.rank} learned the step's size from the exchange "
+                                f"{learned}, but its program starts with {group}")
+
     # ---------------------------------------------------------------- one step
     def wire(self, step: StepState, schedule: Schedule) -> None:
         """Give every virtual stage a mailbox: local ones for this rank's stages, outboxes that
@@ -180,6 +310,8 @@ class DistributedExecutor(LocalExecutor):
         for v in range(schedule.num_virtual_stages):
             if self.topology.local(v):
                 step.mailboxes.append(Mailbox(bell))
+            elif self.exchange is not None:
+                step.mailboxes.append(Stash(v, self.exchange.outgoing))
             else:
                 if v not in self._outboxes:
                     self._outboxes[v] = Outbox(v, self.topology.owner[v], self.transport,
@@ -250,6 +382,8 @@ class DistributedExecutor(LocalExecutor):
         """Wait until every message of the step has left (its buffers may then be reused)."""
         works, self.sends.works = self.sends.works, []
         for work, _, what in works:
+            if work is None:  # a coalesced group's tensors, kept until here
+                continue
             self.board.check()
             try:  # gloo reports a send's completion only through wait()
                 work.wait(datetime.timedelta(seconds=timeout))
@@ -261,6 +395,8 @@ class DistributedExecutor(LocalExecutor):
         """Tell every rank: post ``reason`` on the board, and send a failure notice to every
         other rank of the pipeline (any of them may be blocked on a message from this one)."""
         self.board.publish(reason)
+        if self.topology.device.type != "cpu":  # NCCL pairs by order: the board alone tells
+            return
         peers = dist.get_process_group_ranks(self.topology.group)
         for peer in [r for r in peers if r != self.topology.rank]:
             try:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..schedule import (Action, ActionKind, Comm, CommGroup, CommKind, Op, Payload, Schedule,
-                        SkipLink, lower, run_lockstep)
+                        SkipLink, lower, lower_nccl, run_lockstep)
 
 
 Place = Tuple[int, ActionKind, int]  # an action's (virtual stage, kind, micro-batch)
@@ -42,6 +42,8 @@ class Lowering:
     programs: Tuple[Tuple[Op, ...], ...]
     routes: Dict[Place, Route]  # by (virtual stage, kind, micro-batch)
     rows: Tuple[Tuple[Tuple[Action, Route], ...], ...]  # each stage's actions, with routes
+    skips: Tuple[SkipLink, ...] = ()
+    nccl: Dict[str, Any] = field(default_factory=dict, compare=False)  # built on first use
 
     def sources(self, stage: int) -> List[int]:
         """The sending virtual stage of every message ``stage``'s program takes, in order."""
@@ -98,7 +100,7 @@ def _build(schedule: Schedule, rows: Sequence[Sequence[Action]],
                        for action, receives, sends in entries)
                  for stage, entries in enumerate(split))
     routes = {(r.virtual_stage, a.kind, a.microbatch): r for row in rows for a, r in row}
-    return Lowering(schedule, programs, routes, rows)
+    return Lowering(schedule, programs, routes, rows, skips)
 
 
 def _split(program: Sequence[Any]) -> List[Tuple[Action, List[Comm], List[Comm]]]:
@@ -132,6 +134,20 @@ def _route(schedule: Schedule, stage: int, action: Action, receives: List[Comm],
                  {c.skip.name: c for c in receives if c.skip is not None},
                  main_out[0] if main_out else None,
                  {t[1].skip.name: t for t in targets if t[1].skip is not None})
+
+
+def nccl_programs(lowered: Lowering) -> Tuple[Tuple[Op, ...], ...]:
+    """The step's NCCL programs (:func:`fastpipe.schedule.lower_nccl`, for
+    ``DistributedPipe(p2p="grouped")``), proven free of deadlock under the NCCL model when first
+    built."""
+    with _lock:
+        found = lowered.nccl.get("programs")
+    if found is None:
+        found = lower_nccl(lowered.schedule, skips=lowered.skips)
+        run_lockstep(lowered.schedule, found, comm="nccl")  # raises ScheduleError on a deadlock
+        with _lock:
+            lowered.nccl["programs"] = found
+    return found
 
 
 def is_ready(step: Any, route: Route) -> bool:

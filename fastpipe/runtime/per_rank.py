@@ -20,6 +20,7 @@ from ..policies import amp, batchnorm
 from ..errors import PeerLost, PipelineAborted, PipelineError
 from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
+from . import backends
 from .board import Board, wait_work
 from .dist_executor import DistributedExecutor, Topology, last_gradient_actions
 from .driver import Driver
@@ -45,7 +46,8 @@ class PerRankDriver(Driver):
     """Runs this rank's share of every step and keeps the ranks in agreement."""
 
     def __init__(self, topology: Topology, stages: Sequence[Any], skips: Dict[int, Any],
-                 data_group: Optional[Any], shared: Sequence[Any], timeout: float) -> None:
+                 data_group: Optional[Any], shared: Sequence[Any], timeout: float,
+                 p2p: str = "tagged") -> None:
         self.topology = topology
         self.stages = list(stages)
         self.local = [k for k, owner in enumerate(topology.owner) if owner == topology.rank]
@@ -57,7 +59,10 @@ class PerRankDriver(Driver):
         self.board = Board(f"pipe{next(_instances)}", topology.rank,
                            ranks=dist.get_process_group_ranks(topology.group))
         self.executor = DistributedExecutor(topology, self.board, self._after_action,
-                                            skip_links(skips.values()))
+                                            skip_links(skips.values()), grouped=p2p == "grouped")
+        self.p2p = p2p
+        self._facts = backends.agreement({"device type": topology.device.type, "p2p": p2p})
+        self.board.share(self._facts)
         self.data_group = data_group
         self.replicas = 1 if data_group is None else dist.get_world_size(data_group)
         self.grad_sync = GradSync(data_group, self.board, timeout) if self.replicas > 1 else None
@@ -109,6 +114,9 @@ class PerRankDriver(Driver):
         of every message repeats them); a rank that reads the targets checks them against it."""
         self.steps += 1
         self.board.liveness.at(self.steps, "starting the step")
+        if self.steps == 1:
+            backends.check_agreement(self._facts, self.board.facts(
+                dist.get_process_group_ranks(self.topology.group)))
         self.executor.wire(step, plan())
         learned_from: Optional[int] = None
         entry = min(self.local)

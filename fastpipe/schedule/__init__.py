@@ -13,6 +13,7 @@ from .gpipe import gpipe
 from .interleaved import interleaved
 from .ir import Action, ActionKind, Schedule, ScheduleError, check_count
 from .looped_bfs import looped_bfs
+from .nccl import lower_nccl
 from .lower import Comm, CommGroup, CommKind, Op, Payload, SkipLink, format_program, lower
 from .one_f_one_b import one_f_one_b
 from .pipedream import pipedream
@@ -50,6 +51,7 @@ __all__ = [
     "interleaved",
     "looped_bfs",
     "lower",
+    "lower_nccl",
     "one_f_one_b",
     "peak_inflight",
     "pipedream",

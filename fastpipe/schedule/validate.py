@@ -11,6 +11,12 @@ ordering mistakes surface as deadlocks instead of being hidden by buffering.
 Classic 1F1B is deadlock-free here only because its steady-state
 send-forward/receive-backward pairs are batched into one group.
 
+``comm="nccl"`` models NCCL (:mod:`fastpipe.schedule.nccl_model`): a CPU that enqueues groups
+without waiting and one FIFO stream per rank on which a group is one operation, sends that
+complete only with their receives, and the ops between two ranks paired in posting order (NCCL
+has no tags). :func:`validate` checks :func:`fastpipe.schedule.nccl.lower_nccl`'s programs under
+it, the ones ``DistributedPipe(p2p="grouped")`` runs.
+
 ``comm="buffered"`` models mailbox hand-over instead, as the local executor
 does: a send completes as soon as it is posted and its tensor waits in the
 receiver's mailbox; a receive completes once its matching send was posted. A
@@ -34,12 +40,14 @@ from itertools import accumulate, repeat
 from operator import attrgetter, gt
 from typing import Sequence, Union
 
+from .nccl_model import NcclModel
 from .ir import ANALYSES, Action, ActionKind, Schedule, ScheduleError, gc_paused
 from .lower import (
     CommFields,
     CommGroup,
     CommKind,
     FieldsOp,
+    SkipLink,
     Op,
     comm_fields,
     comm_from,
@@ -54,10 +62,11 @@ __all__ = [
     "ValidationReport",
     "validate",
     "run_lockstep",
+    "lockstep_rounds",
     "peak_inflight",
 ]
 
-COMM_MODELS = ("rendezvous", "buffered")
+COMM_MODELS = ("rendezvous", "buffered", "nccl")
 """Deadlock models accepted by :func:`validate` and :func:`simulate` (see module docstring)."""
 
 
@@ -87,14 +96,17 @@ class ValidationReport:
         return 1.0 - sum(self.busy_steps) / total if total else 0.0
 
 
-def validate(schedule: Schedule, *, comm: str = "rendezvous") -> ValidationReport:
+def validate(schedule: Schedule, *, comm: str = "rendezvous",
+             skips: Sequence[SkipLink] = ()) -> ValidationReport:
     """Check ``schedule`` and report its peak in-flight micro-batches and length.
 
     Raises :class:`ScheduleError` naming the stage, action and problem when an
     action is out of range, a (virtual stage, micro-batch) lacks or repeats its
     F or B (or repeats W), a stage runs an action before a same-stage dependency,
     or the lowered programs deadlock under the ``comm`` model (one of
-    :data:`COMM_MODELS`).
+    :data:`COMM_MODELS`). ``skips``: the model's skip connections, whose transfers the
+    programs include too. Under ``"nccl"`` the programs are NCCL's (``lower_nccl``), else
+    :func:`lower`'s.
     """
     _check_comm(comm)
     with gc_paused():
@@ -102,7 +114,9 @@ def validate(schedule: Schedule, *, comm: str = "rendezvous") -> ValidationRepor
         _check_complete(schedule)
         _check_local_order(schedule)
         # lower() without building the op objects; temporaries go before the collector resumes
-        steps = _lockstep(lower_fields(schedule), comm).run(schedule)
+        programs = (ANALYSES["lower_nccl"](schedule, skips=skips) if comm == "nccl"
+                    else lower_fields(schedule, skips=skips))
+        steps = _lockstep(programs, comm).run(schedule)
         return ValidationReport(peak_inflight(schedule), max(_last_steps(steps)), steps)
 
 
@@ -263,6 +277,14 @@ def run_lockstep(
         return simulation.run(schedule)
 
 
+def lockstep_rounds(schedule: Schedule, programs: Sequence[Sequence[FieldsOp]], *,
+                    comm: str) -> tuple[tuple[int, ...], ...]:
+    """:func:`run_lockstep` on programs in :func:`lower_fields`'s form (no op objects built)."""
+    _check_comm(comm)
+    with gc_paused():
+        return _lockstep(programs, comm).run(schedule)
+
+
 class _Other:
     """A program op that is neither an action nor a communication group: it never runs."""
 
@@ -286,6 +308,8 @@ class _Lockstep:
     """One lock-step simulation of lowered programs, driven by events: a stage is looked at
     only when it reached a new op or a peer completed its group, so each round costs what
     happens in it. Rounds are those of the plain model (see module docstring)."""
+
+    semantics = ""  # how the deadlock message names the model
 
     def __init__(self, programs: Sequence[Sequence[_SimOp]]) -> None:
         self.programs = programs
@@ -349,7 +373,7 @@ class _Lockstep:
 
     def deadlock_message(self, schedule: Schedule) -> str:
         lines = [
-            f"schedule {schedule.name!r} deadlocks after {self.round} rounds; "
+            f"schedule {schedule.name!r} deadlocks{self.semantics} after {self.round} rounds; "
             "blocked stages and their pending ops:"
         ]
         for stage in range(len(self.programs)):
@@ -430,5 +454,7 @@ def _repeats(group: tuple[CommFields, ...]) -> bool:
     return group[0] == group[1] if len(group) == 2 else len(set(group)) < len(group)
 
 
-def _lockstep(programs: Sequence[Sequence[_SimOp]], comm: str) -> _Lockstep:
+def _lockstep(programs: Sequence[Sequence[_SimOp]], comm: str) -> _Lockstep | NcclModel:
+    if comm == "nccl":
+        return NcclModel(programs)
     return _Buffered(programs) if comm == "buffered" else _Rendezvous(programs)
