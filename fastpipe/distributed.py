@@ -122,6 +122,7 @@ class DistributedPipe(FrontDoor):
         self._group = process_group if process_group is not None else dist.group.WORLD
         self._device = backends.resolve_device(device, self._group)
         self._p2p = backends.resolve_p2p(p2p, self._device, self._group)
+        backends.warm_up(self._group, self._device)
         ranks = dist.get_process_group_ranks(self._group)
         p, v = len(ranks), layout.virtual_stages
         layout = layout.with_balance(_balance(module, layers, balance, p * v))

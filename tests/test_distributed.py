@@ -18,6 +18,10 @@ from dist_launch import assert_all_ok, describe, launch, torchrun
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
+# every launch below runs on both transports: messages sent when produced (tagged, gloo only)
+# and the NCCL program of the schedule (grouped), which CUDA devices run
+P2P = pytest.mark.parametrize("p2p", ["tagged", "grouped"])
+
 EVERY_SCHEDULE_2 = [["gpipe", 1, "except_last"], ["1f1b", 1, "never"], ["1f1b", 1, "always"],
                     ["1f1b", 1, "except_last"], ["interleaved", 2, "except_last"],
                     ["looped-bfs", 2, "never"], ["zb-h1", 1, "except_last"],
@@ -30,7 +34,8 @@ EVERY_SCHEDULE_4 = [["gpipe", 1, "never"], ["1f1b", 1, "except_last"],
                     ["dualpipev", 2, "except_last"]]
 
 
-def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
+@P2P
+def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips(p2p):
     results = assert_all_ok(launch("several", 2, limit=240, args={"cases": [
         ["transparency", {"schedules": EVERY_SCHEDULE_2, "batches": [8, 13]}],
         ["variable_shapes", {"schedule": "1f1b"}],
@@ -42,7 +47,7 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
         ["compat", {}],
         ["loss_checks", {}],
         ["token_mean", {"schedules": [["1f1b", 1, "except_last"], ["zbv", 2, "never"]]}],
-    ]}))
+    ]}, p2p=p2p))
     compat = [r["compat"] for r in results]
     assert "layer0.0.weight" in compat[0]["names"]["1f1b"]  # named children, tied across ranks
     assert "layer7.weight" in compat[1]["names"]["1f1b"]
@@ -53,14 +58,15 @@ def test_two_ranks_every_schedule_variable_shapes_meta_models_and_skips():
     assert keys[0]["meta"][0] == "0.0.bias" and keys[1]["meta"][-1] == "7.weight"
 
 
-def test_training_features_across_processes():
+@P2P
+def test_training_features_across_processes(p2p):
     """Tied weights, deferred batch norm, a GradScaler skipping an inf step everywhere, bf16
     autocast on every rank, chunks='auto', trace(), asynchronous PipeDream, schedule='auto'."""
     results = assert_all_ok(launch("several", 2, limit=180, args={"cases": [
         ["tied_weights", {"schedule": "1f1b"}], ["tied_weights", {"schedule": "zb-h1"}],
         ["deferred_batch_norm", {}], ["grad_scaler", {}], ["autocast_bf16", {}],
         ["auto_chunks", {}], ["traced", {"schedule": "zbv", "v": 2}], ["pipedream", {}],
-        ["auto_schedule", {}]]}))
+        ["auto_schedule", {}]]}, p2p=p2p))
     assert "0.0.weight" in results[0]["tied_weights"]["names"]
     assert "7.weight" in results[1]["tied_weights"]["names"]  # the last rank's copy
     assert results[1]["deferred_batch_norm"]["buffers"] == [
@@ -83,31 +89,35 @@ def test_training_features_across_processes():
     assert "auto" not in results[0]["auto_schedule"]["names"]
 
 
-def test_evaluate_across_processes():
+@P2P
+def test_evaluate_across_processes(p2p):
     """evaluate(): the shared front-door lifecycle gives DistributedPipe Pipe's inference."""
-    results = assert_all_ok(launch("evaluate", 2, limit=120))
+    results = assert_all_ok(launch("evaluate", 2, limit=120, p2p=p2p))
     assert [r["has_output"] for r in results] == [False, True]
     assert all(r["training"] for r in results)
 
 
-def test_four_ranks_every_schedule_and_skips_across_ranks():
+@P2P
+def test_four_ranks_every_schedule_and_skips_across_ranks(p2p):
     assert_all_ok(launch("several", 4, limit=300, args={"cases": [
         ["transparency", {"schedules": EVERY_SCHEDULE_4, "batches": [13]}],
         ["skip_connections", {"schedules": [["1f1b", 1, "never"],
-                                            ["dualpipev", 2, "except_last"]]}]]}))
+                                            ["dualpipev", 2, "except_last"]]}]]}, p2p=p2p))
 
 
-def test_pipeline_times_data_parallel():
-    results = assert_all_ok(launch("data_parallel", 4, limit=180))
+@P2P
+def test_pipeline_times_data_parallel(p2p):
+    results = assert_all_ok(launch("data_parallel", 4, limit=180, p2p=p2p))
     assert len({tuple(r["losses"]) for r in results}) == 1  # every rank reports the same loss
 
 
 @pytest.mark.parametrize("world, failing, linger", [(2, 1, 0.0), (4, 2, 0.0), (4, 0, 12.0)])
-def test_a_raising_rank_stops_every_other_rank_fast(world, failing, linger):
+@P2P
+def test_a_raising_rank_stops_every_other_rank_fast(world, failing, linger, p2p):
     """The other ranks stop within seconds (not the 30 s timeout), naming the failed rank, also
     when the failed process stays alive (``linger``) and so closes no connection."""
     results = launch("failure", world, limit=120, args={
-        "kind": "raise", "failing_rank": failing, "timeout": 30.0, "linger": linger})
+        "kind": "raise", "failing_rank": failing, "timeout": 30.0, "linger": linger}, p2p=p2p)
     assert all(r.returncode is not None for r in results), describe(results)  # nobody hung
     for r in results:
         assert r.result is not None, describe(results)
@@ -125,9 +135,10 @@ def test_a_raising_rank_stops_every_other_rank_fast(world, failing, linger):
                if i != failing)
 
 
-def test_a_killed_rank_never_leaves_the_others_hanging():
+@P2P
+def test_a_killed_rank_never_leaves_the_others_hanging(p2p):
     results = launch("failure", 2, limit=120,
-                     args={"kind": "die", "failing_rank": 1, "timeout": 30.0})
+                     args={"kind": "die", "failing_rank": 1, "timeout": 30.0}, p2p=p2p)
     assert results[1].returncode == 17, describe(results)
     survivor = results[0].result
     assert survivor is not None and survivor["error"] is not None, describe(results)
@@ -144,11 +155,12 @@ def test_a_rank_that_never_builds_its_pipe_is_named_by_every_other_rank(kind):
 
 
 @pytest.mark.parametrize("world,failing,schedule", [(2, 0, "zb-h1"), (3, 1, "1f1b")])
-def test_a_rank_exiting_mid_step_fails_that_step_on_every_rank(world, failing, schedule):
+@P2P
+def test_a_rank_exiting_mid_step_fails_that_step_on_every_rank(world, failing, schedule, p2p):
     """The dying rank's last backward comes after its peers ran all their actions: they must
     still fail in this step (not return a loss, not step the optimizer), naming it."""
     results = launch("blame", world, limit=120, args={
-        "kind": "die_in_backward", "failing_rank": failing, "schedule": schedule})
+        "kind": "die_in_backward", "failing_rank": failing, "schedule": schedule}, p2p=p2p)
     assert results[failing].returncode == 19, describe(results)
     for r in results:
         if r.rank == failing:
@@ -177,8 +189,9 @@ def test_distributed_checkpoint_moves_between_layouts_and_the_plain_model(tmp_pa
     assert len(results[0]["loaded"]) + len(results[1]["loaded"]) == 16  # every parameter
 
 
-def test_a_detached_loss_fails_every_rank_before_any_gradient():
-    results = launch("detached_loss", 2, limit=120)
+@P2P
+def test_a_detached_loss_fails_every_rank_before_any_gradient(p2p):
+    results = launch("detached_loss", 2, limit=120, p2p=p2p)
     assert all(r.result is not None for r in results), describe(results)
     assert [r.result["detached"] for r in results] == ["PipelineAborted", "LossFunctionError"]
     assert all(r.result["untouched"] for r in results), describe(results)
@@ -191,8 +204,9 @@ def test_without_a_process_group_the_error_is_typed_and_says_what_to_do():
         fastpipe.DistributedPipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
 
 
-def test_mismatched_targets_fail_before_any_backward_on_every_rank():
-    results = launch("bad_targets", 2, limit=120)
+@P2P
+def test_mismatched_targets_fail_before_any_backward_on_every_rank(p2p):
+    results = launch("bad_targets", 2, limit=120, p2p=p2p)
     assert all(r.result is not None for r in results), describe(results)
     assert results[1].result["error"] == "ValueError"
     assert "batch size 6" in results[1].result["message"]
@@ -207,8 +221,9 @@ def test_torchrun_runs_the_example_end_to_end():
     assert "median step" in out and "loss nan" not in out
 
 
-def test_a_boundary_shape_mismatch_is_a_clear_error_at_the_first_step():
-    results = launch("boundary_mismatch", 2, limit=120)
+@P2P
+def test_a_boundary_shape_mismatch_is_a_clear_error_at_the_first_step(p2p):
+    results = launch("boundary_mismatch", 2, limit=120, p2p=p2p)
     assert all(r.result is not None for r in results), describe(results)
     failed = results[1].result
     assert failed["error"] == "RuntimeError"  # torch's own error, as the plain model raises it
@@ -217,12 +232,13 @@ def test_a_boundary_shape_mismatch_is_a_clear_error_at_the_first_step():
     assert "rank 1 (stage 1) failed" in results[0].result["message"]
 
 
-def test_a_stalled_rank_makes_the_others_time_out_with_a_clear_error():
+@P2P
+def test_a_stalled_rank_makes_the_others_time_out_with_a_clear_error(p2p):
     """Rank 1 stalls inside a layer for longer than the 3 s timeout: rank 0 stops after about
     the timeout with PipelineTimeout naming itself, the action and the micro-batch it waited
     for; the stalled rank's own step also ends with a timeout instead of hanging."""
     results = launch("failure", 2, limit=120,
-                     args={"kind": "hang", "failing_rank": 1, "timeout": 3.0})
+                     args={"kind": "hang", "failing_rank": 1, "timeout": 3.0}, p2p=p2p)
     assert all(r.result is not None for r in results), describe(results)
     waiting = results[0].result
     assert waiting["error"] in ("PipelineTimeout", "PipelineAborted"), describe(results)

@@ -32,7 +32,7 @@ def passes(schedule, comm):
 
 
 def test_models_and_default():
-    assert COMM_MODELS == ("rendezvous", "buffered")
+    assert COMM_MODELS == ("rendezvous", "buffered", "nccl")
     schedule = one_f_one_b(3, 5)
     assert validate(schedule) == validate(schedule, comm="rendezvous")
 

@@ -116,3 +116,11 @@ def check_agreement(mine: str, posted: Dict[int, str]) -> None:
                     f"the pipeline's ranks disagree on {name}: this rank has {value!r}, rank "
                     f"{rank} has {theirs.get(name)!r}; build every rank's DistributedPipe with "
                     f"the same arguments (and devices of one type)")
+
+
+def warm_up(group: Any, device: torch.device) -> None:
+    """NCCL: create the pipeline group's communicator now, with every rank taking part (its
+    first ``batch_isend_irecv`` may involve only some ranks, which NCCL does not allow for the
+    first call on a communicator)."""
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])

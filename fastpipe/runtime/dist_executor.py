@@ -81,6 +81,7 @@ class DistributedExecutor(LocalExecutor):
                                          self.sends) if grouped else None)
         self._program: Tuple[Op, ...] = ()
         self._learned: Optional[CommGroup] = None  # the group taken to learn the step's size
+        self._comm_stream: Optional[Any] = None  # CUDA: where exchanges are posted
 
     # ---------------------------------------------------------------- receiving
     def inbox(self, src_rank: int) -> Inbox:
@@ -216,11 +217,35 @@ class DistributedExecutor(LocalExecutor):
             self._wait_exchange(work, f"{what}{feeds}", step, deadline, group, where)
 
         try:
-            with self.peers_named(f"running the exchange {group}"):
+            with self.peers_named(f"running the exchange {group}"), self._on_comm_stream(step):
                 return self.exchange.run(group, step.mailboxes, wait)
         except PeerFailed as failure:
             raise PipelineAborted(f"rank {self.rank} stopped in the exchange {group}{feeds} "
                                   f"because {failure}") from None
+
+    @contextlib.contextmanager
+    def _on_comm_stream(self, step: StepState) -> Iterator[None]:
+        """On a GPU, post the exchange on a communication stream that waits for every local
+        stage's stream (the payloads it sends were computed there) and that those streams wait
+        for afterwards (the tensors it received are used there): CUDA events, no host sync.
+        NCCL runs the group on its own stream, ordered after this one."""
+        if self.topology.device.type != "cuda":
+            yield
+            return
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(self.topology.device)
+        comm = self._comm_stream
+        streams = [step.stages[v].stream for v in range(len(step.stages))
+                   if self.topology.local(v) and getattr(step.stages[v], "stream", None)
+                   is not None]
+        for stream in streams:
+            comm.wait_stream(stream)
+        assert self.exchange is not None
+        self.exchange.consumer_streams = streams
+        with torch.cuda.stream(comm):
+            yield
+        for stream in streams:
+            stream.wait_stream(comm)
 
     def _wait_exchange(self, work: Any, what: str, step: StepState, deadline: float,
                        group: CommGroup, where: Dict[str, Any]) -> None:

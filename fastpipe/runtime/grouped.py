@@ -32,7 +32,7 @@ from .lowering import carries_loss
 from .mailbox import Mailbox
 from .message import Message
 from .p2p import (ABORT_KIND, HEADER_TAG, META_TAG, PAYLOAD_TAG, PeerFailed, SendLog, Transport,
-                  TransportError, from_meta, to_meta)
+                  TransportError, check_device, from_meta, to_meta)
 from .wire import HEADER_LEN, Header, Meta, pack, unpack
 
 SizeKey = Tuple[int, int, int, int]  # (sending stage, channel, receiving stage, micro-batch)
@@ -89,6 +89,7 @@ class GroupedExchange:
     sizes: Dict[SizeKey, int] = field(default_factory=dict)  # last payload bytes, both ends
     _meta_sent: Dict[Tuple[int, int], Meta] = field(default_factory=dict)  # (stage, channel)
     _meta_seen: Dict[Tuple[int, int], Meta] = field(default_factory=dict)
+    consumer_streams: List[Any] = field(default_factory=list)  # CUDA: the local stages' streams
 
     def run(self, group: CommGroup, mailboxes: Sequence[Mailbox], wait: Wait) -> List[Header]:
         """Send and receive every message of ``group``; received ones go into their stage's
@@ -131,6 +132,7 @@ class GroupedExchange:
         info, channels = self.transport.info, self.transport.channels
         kind, mb = channels.index(key), key.microbatch
         tensors = message.parcel.tensors
+        check_device(tensors, self.transport.device, key, self.stage)
         meta = to_meta(message, tensors)
         where = (key.virtual_stage, kind)
         meta_data = meta.encode().to(self.transport.device) \
@@ -215,6 +217,8 @@ class GroupedExchange:
             info.token_mean.count(header.microbatch, header.count)  # before any backward
         buffer = inc.payload if inc.payload is not None else torch.empty(
             0, dtype=torch.uint8, device=self.transport.device)
+        for stream in self.consumer_streams:  # allocated on the communication stream, read
+            buffer.record_stream(stream)       # on the stages': the allocator must know
         mailboxes[header.dst_stage].put(inc.op, from_meta(meta, unpack(buffer, meta.layouts)))
 
     # ---------------------------------------------------------------- posting
