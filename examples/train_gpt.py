@@ -1,6 +1,6 @@
 """Train a small GPT with one pipeline stage per process.
 
-One machine, 2 CPU processes (gloo):
+One machine, 2 processes (CPU stages over gloo; with GPUs, one GPU per rank over NCCL):
 
     torchrun --nproc_per_node=2 examples/train_gpt.py --steps 30
 
@@ -41,6 +41,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--data-parallel", type=int, default=1,
                         help="pipelines side by side (world size = stages x this)")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--p2p", default="auto", choices=["auto", "tagged", "grouped"],
+                        help="transport: the NCCL program (grouped, the default on GPUs) or "
+                             "sends as produced (tagged, gloo only)")
     parser.add_argument("--trace", default=None, metavar="FILE.json",
                         help="trace the last step: print its timeline and the doctor's report "
                              "(rank 0) and write it as Chrome/Perfetto trace JSON")
@@ -49,17 +52,19 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    dist.init_process_group("gloo")  # DistributedPipe sends CPU tensors over gloo
+    dist.init_process_group()  # gloo for CPU tensors, NCCL for CUDA ones (when there are GPUs)
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = world // args.data_parallel
-    pipeline_group, data_group = init_mesh(pipeline=stages, data=args.data_parallel)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    pipeline_group, data_group = init_mesh(pipeline=stages, data=args.data_parallel,
+                                           device_type=device_type)
     replica = rank // stages
     with torch.device("meta"):
         model = gpt(vocab=64, dim=args.dim, heads=4, layers=args.layers, max_len=args.seq)
     torch.manual_seed(0)  # replicas of a stage materialise the same initial weights
     pipe = DistributedPipe(model, chunks=args.chunks, schedule=args.schedule,
                            checkpoint=args.checkpoint, process_group=pipeline_group,
-                           data_parallel_group=data_group, timeout=args.timeout)
+                           data_parallel_group=data_group, timeout=args.timeout, p2p=args.p2p)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(1000 + replica)  # each replica its own data
     times = []
@@ -81,7 +86,8 @@ def main() -> None:
         print(fastpipe.doctor(t))
     if rank == 0:
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-        print(f"{world} ranks ({stages} stages x {args.data_parallel} replicas), schedule "
+        print(f"{world} ranks ({stages} stages x {args.data_parallel} replicas) on "
+              f"{pipe.device.type}, {pipe.p2p} p2p, schedule "
               f"{args.schedule}, {args.chunks} micro-batches: median step {steady * 1e3:.1f} ms, "
               f"{args.batch * args.data_parallel / steady:.0f} samples/s, final loss "
               f"{loss.item():.3f}", flush=True)

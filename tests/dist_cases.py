@@ -813,7 +813,40 @@ def several(cases: List[List[Any]]) -> Dict:
     return {name: CASES[name](**args) for name, args in cases}
 
 
-CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, failure, blame,
+def process_groups() -> Dict:
+    """Process groups as users make them: a DeviceMesh dimension as the pipeline's group, a
+    two-dimensional mesh refused, and ranks that disagree on the transport refused at step 1
+    (before any message, instead of a hang)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pipeline",))
+    x, y = data(6)
+    plain = model()
+    ref_loss, ref = reference_grads(plain, x, y)
+    pipe = DistributedPipe(model(), chunks=3, process_group=mesh["pipeline"], timeout=30)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    check_grads(pipe, ref, "mesh dimension")
+    out: Dict[str, Any] = {"mesh": pipe.p2p}
+    two = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("data", "pipe"))
+    try:
+        DistributedPipe(model(), process_group=two)
+        raise AssertionError("a 2-D mesh was accepted as process_group")
+    except fastpipe.errors.ProcessGroupError as error:
+        out["two_d"] = str(error)
+    mixed = "grouped" if dist.get_rank() == 0 else "tagged"
+    pipe = DistributedPipe(model(), chunks=3, timeout=30, p2p=mixed)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    try:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        raise AssertionError("ranks on different transports ran a step")
+    except (fastpipe.errors.ProcessGroupError, fastpipe.PipelineAborted) as error:
+        out["mixed"] = [type(error).__name__, str(error)]
+    out["untouched"] = all(torch.equal(a, b) and b.grad is None
+                           for a, b in zip(before, pipe.parameters()))
+    return out
+
+
+CASES = {f.__name__: f for f in (process_groups, transparency, data_parallel, variable_shapes, failure, blame,
                                  loss_checks, detached_loss, traced_gpt2, token_mean,
                                  dcp_round_trip,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,

@@ -245,3 +245,38 @@ def test_a_stalled_rank_makes_the_others_time_out_with_a_clear_error(p2p):
     assert waiting["seconds"] < 7.0, describe(results)
     assert "rank 0" in waiting["message"] and "micro-batch" in waiting["message"]
     assert results[1].result["error"] == "PipelineTimeout", describe(results)
+
+
+def test_process_groups_as_users_make_them():
+    """A DeviceMesh dimension as the pipeline's group (exact), a 2-D mesh refused, and ranks
+    built with different transports refused at the first step, before any gradient."""
+    results = launch("process_groups", 2, limit=120)
+    assert all(r.result is not None for r in results), describe(results)
+    for r in results:
+        assert r.result["mesh"] == "tagged"  # 'auto' on CPU tensors over gloo
+        assert "pass one dimension of it" in r.result["two_d"]
+        assert "disagree on p2p" in r.result["mixed"][1], describe(results)
+        assert r.result["untouched"]
+
+
+def test_the_readme_snippet_style_bare_init_runs_under_torchrun(tmp_path):
+    """init_process_group() with no backend: torch reports 'undefined' (gloo for CPU tensors,
+    NCCL for CUDA ones where it exists); the pipe runs on the CPU, both transports."""
+    script = tmp_path / "bare.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "from fastpipe.distributed import DistributedPipe\n"
+        "dist.init_process_group()\n"
+        "for p2p in ('auto', 'grouped'):\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])\n"
+        "    pipe = DistributedPipe(model, chunks=2, p2p=p2p, timeout=60)\n"
+        "    loss = pipe.train_step(torch.ones(4, 4), torch.zeros(4, 4), torch.nn.functional.mse_loss)\n"
+        "    print('RESULT', dist.get_backend(), pipe.device, pipe.p2p, round(loss.item(), 6))\n"
+        "dist.destroy_process_group()\n")
+    out = torchrun(str(script), [], cwd=str(tmp_path))
+    lines = [line.split()[1:] for line in out.splitlines() if line.startswith("RESULT")]
+    assert len(lines) == 4, out
+    assert {tuple(line[:3]) for line in lines} == {("undefined", "cpu", "tagged"),
+                                                   ("undefined", "cpu", "grouped")}
+    assert len({line[3] for line in lines}) == 1  # the same loss on every rank and transport

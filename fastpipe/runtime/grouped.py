@@ -32,7 +32,7 @@ from .lowering import carries_loss
 from .mailbox import Mailbox
 from .message import Message
 from .p2p import (ABORT_KIND, HEADER_TAG, META_TAG, PAYLOAD_TAG, PeerFailed, SendLog, Transport,
-                  TransportError, check_device, from_meta, to_meta)
+                  TransportError, from_meta, to_meta)
 from .wire import HEADER_LEN, Header, Meta, pack, unpack
 
 SizeKey = Tuple[int, int, int, int]  # (sending stage, channel, receiving stage, micro-batch)
@@ -132,7 +132,6 @@ class GroupedExchange:
         info, channels = self.transport.info, self.transport.channels
         kind, mb = channels.index(key), key.microbatch
         tensors = message.parcel.tensors
-        check_device(tensors, self.transport.device, key, self.stage)
         meta = to_meta(message, tensors)
         where = (key.virtual_stage, kind)
         meta_data = meta.encode().to(self.transport.device) \

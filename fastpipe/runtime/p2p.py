@@ -170,7 +170,6 @@ class Outbox:
     def put(self, key: Comm, message: Message) -> None:
         kind, mb = self.channels.index(key), key.microbatch
         tensors = message.parcel.tensors
-        check_device(tensors, self.device, key, key.peer)
         meta = to_meta(message, tensors)
         new_meta = self._sent_meta.get(kind) != meta
         meta_data = meta.encode().to(self.device) if new_meta else None
@@ -320,19 +319,6 @@ class Inbox:
         self.payloads.last[self.src_rank] = n
         key = self.channels.key(header.kind, self.src_stage, header.microbatch, header.dst_stage)
         return key, from_meta(meta, unpack(buffer, meta.layouts))
-
-
-def check_device(tensors: Sequence[Optional[torch.Tensor]], device: torch.device,
-                 key: Comm, src_stage: int) -> None:
-    """Refuse to send a tensor that is not on this rank's device (a stage that moved its
-    output elsewhere): the transport carries the pipe's device only."""
-    for tensor in tensors:
-        if tensor is not None and tensor.device != device:
-            raise PipelineError(
-                f"stage {src_stage} hands '{key}' to stage {key.virtual_stage} as a tensor on "
-                f"{tensor.device}, but this rank's pipeline device is {device}: keep a stage's "
-                f"outputs on the pipe's device (DistributedPipe(device=...)), or move them "
-                f"there at the end of the stage")
 
 
 def send_failure(rank: int, group: Any, device: torch.device, reason: str,
