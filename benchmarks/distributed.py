@@ -1,17 +1,21 @@
-"""Two CPU processes on gloo: fastpipe's DistributedPipe against torch.distributed.pipelining.
+"""CPU processes on gloo: fastpipe's DistributedPipe, on both transports, against
+torch.distributed.pipelining.
 
-A compute-heavy MLP (8 x Linear(1024) with ReLU, 2 stages of 4 layers), a batch of 64 in 8
-micro-batches, one thread per process. Competitors, interleaved round by round in one run:
+A compute-heavy MLP (8 x Linear(1024) with ReLU, split evenly over the ranks), 8 micro-batches
+of ``--micro-batch`` samples, one thread per process. Competitors, interleaved round by round in
+one run:
 
-* plain: the whole model in one process on the whole batch (the other process idles);
+* plain: the whole model in one process on the whole batch (the other processes idle);
 * plain loop: the same, looping over the 8 micro-batches (what a pipeline overlaps);
-* fastpipe: ``DistributedPipe(schedule='1f1b', checkpoint='never')``;
+* fastpipe 1F1B: ``DistributedPipe(schedule='1f1b', checkpoint='never')`` with ``p2p='tagged'``
+  (the default on the CPU: sends as produced) and with ``p2p='grouped'`` (the NCCL program,
+  one group per exchange, exact sizes: what GPUs run);
 * torch.distributed.pipelining: ``PipelineStage`` + ``Schedule1F1B`` on the same stages.
 
 Every timed step starts after a barrier and ends when rank 0 finishes it. Prints medians, the
 speed-ups and the pipeline efficiency = (speed-up over the loop) / (m p / (m + p - 1)).
 
-    python benchmarks/distributed.py [--rounds 15]
+    python benchmarks/distributed.py [--rounds 15] [--ranks 2] [--micro-batch 8]
 """
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ from torch import nn
 
 from fastpipe.apps.progress import progress
 
-STAGES, WIDTH, LAYERS, BATCH, CHUNKS = 2, 1024, 8, 64, 8
+STAGES = int(os.environ.get("BENCH_RANKS", 2))
+WIDTH, LAYERS, CHUNKS = 1024, 8, 8
+BATCH = CHUNKS * int(os.environ.get("BENCH_MICRO_BATCH", 8))
 
 
 def build() -> nn.Sequential:
@@ -57,10 +63,10 @@ def plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loop: bool) -> Cal
     return step
 
 
-def fastpipe_step(x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def fastpipe_step(x: torch.Tensor, y: torch.Tensor, p2p: str) -> Callable[[], None]:
     from fastpipe.distributed import DistributedPipe
     pipe = DistributedPipe(build(), chunks=CHUNKS, schedule="1f1b", checkpoint="never",
-                           balance=[LAYERS, LAYERS], timeout=120)
+                           balance=[2 * LAYERS // STAGES] * STAGES, timeout=120, p2p=p2p)
 
     def step() -> None:
         pipe.zero_grad(set_to_none=True)
@@ -81,8 +87,10 @@ def torch_pipelining_step(x: torch.Tensor, y: torch.Tensor) -> Callable[[], None
         part.zero_grad(set_to_none=True)
         if rank == 0:
             schedule.step(x)
-        else:
+        elif rank == STAGES - 1:
             schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
     return step
 
 
@@ -99,7 +107,8 @@ def worker() -> None:
         "plain (whole batch)": plain(model, x, y, loop=False) if rank == 0 else idle,
         "plain loop (8 micro-batches)": plain(copy.deepcopy(model), x, y, loop=True)
         if rank == 0 else idle,
-        "fastpipe 1F1B": fastpipe_step(x, y),
+        "fastpipe 1F1B (tagged)": fastpipe_step(x, y, "tagged"),
+        "fastpipe 1F1B (grouped)": fastpipe_step(x, y, "grouped"),
         "torch.distributed.pipelining 1F1B": torch_pipelining_step(x, y),
     }
     times: Dict[str, List[float]] = {name: [] for name in candidates}
@@ -128,7 +137,8 @@ def launch(rounds: int) -> Dict[str, List[float]]:
     for rank in range(STAGES):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(STAGES), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", BENCH_ROUNDS=str(rounds),
-                   BENCH_WORKER="1")
+                   BENCH_WORKER="1", BENCH_RANKS=str(STAGES),
+                   BENCH_MICRO_BATCH=str(BATCH // CHUNKS))
         procs.append(subprocess.Popen([sys.executable, __file__], env=env,
                                       stdout=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=1800)[0] for p in procs]
@@ -141,7 +151,11 @@ def launch(rounds: int) -> Dict[str, List[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--ranks", type=int, default=2, help="processes = pipeline stages")
+    parser.add_argument("--micro-batch", type=int, default=8, help="samples per micro-batch")
     args = parser.parse_args()
+    global STAGES, BATCH
+    STAGES, BATCH = args.ranks, CHUNKS * args.micro_batch
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _common import machine, median, table
     times = launch(args.rounds)
@@ -153,11 +167,14 @@ def main() -> None:
         pipelined = "1F1B" in name
         rows.append([name, f"{t * 1e3:.1f}", f"{whole / t:.2f}", f"{loop / t:.2f}",
                      f"{loop / t / ideal:.2f}" if pipelined else "-"])
-    print(f"{machine()}; {args.rounds} rounds, medians; 2 processes x 1 thread, gloo")
+    print(f"{machine()}; {args.rounds} rounds, medians; {STAGES} processes x 1 thread, gloo; "
+          f"batch {BATCH} in {CHUNKS} micro-batches")
     print(table(["", "step ms", "speed-up vs plain", "speed-up vs plain loop",
                  "pipeline efficiency"], rows))
-    fast, peer = med["fastpipe 1F1B"], med["torch.distributed.pipelining 1F1B"]
-    print(f"\nfastpipe / torch.distributed.pipelining step time: {fast / peer:.2f}; "
+    fast, peer = med["fastpipe 1F1B (tagged)"], med["torch.distributed.pipelining 1F1B"]
+    grouped = med["fastpipe 1F1B (grouped)"]
+    print(f"\nfastpipe grouped / tagged step time: {grouped / fast:.2f}; fastpipe tagged, "
+          f"grouped / torch.distributed.pipelining: {fast / peer:.2f}, {grouped / peer:.2f}; "
           f"micro-batch loop / whole batch: {loop / whole:.2f} (the cost of small matrix "
           f"products alone); ideal 1F1B speed-up m p / (m + p - 1) = {ideal:.2f}")
 

@@ -64,19 +64,22 @@ def test_two_ranks_that_both_send_first_deadlock():
 
 
 def early_receives(programs):
-    """Every receive group posted one action earlier: enqueued before the previous action and
-    the sends it makes (a receive prefetched onto the one stream)."""
+    """Every group's receives enqueued one action earlier, in a group of their own: before the
+    previous action and the sends it makes (a receive prefetched onto the one stream)."""
     out = []
     for program in programs:
         ops = []
         for op in program:
-            receiving = isinstance(op, CommGroup) and all(
-                c.kind is CommKind.RECV for c in op.ops)
             actions = [i for i, o in enumerate(ops) if isinstance(o, Action)]
-            if receiving and actions:
-                ops.insert(actions[-1], op)
-            else:
+            if not isinstance(op, CommGroup) or not actions:
                 ops.append(op)
+                continue
+            receives = tuple(c for c in op.ops if c.kind is CommKind.RECV)
+            sends = tuple(c for c in op.ops if c.kind is CommKind.SEND)
+            if receives:
+                ops.insert(actions[-1], CommGroup(receives))
+            if sends:
+                ops.append(CommGroup(sends))
         out.append(tuple(ops))
     return tuple(out)
 
@@ -132,10 +135,16 @@ def test_group_ops_are_ordered_alike_on_both_ends():
     assert seen[CommKind.SEND] == seen[CommKind.RECV]  # every send has its receive
 
 
-def test_every_group_is_one_exchange_and_holds_no_local_transfer():
+def test_one_group_per_round_sends_and_receives_together_and_no_local_transfer():
+    """Megatron's send_forward_recv_backward, for every schedule: at most one group between
+    two actions, holding this round's sends and receives; chunks of one rank exchange
+    nothing over the wire."""
+    schedule = get_schedule("1f1b", 2, 4)
+    zero = lower_nccl(schedule)[0]
+    assert [str(op) for op in zero[3:5]] == ["[send act1 v0->1 | recv grad0 v0<-1]", "0B0"]
     schedule = get_schedule("interleaved", 2, 4, virtual_stages=2)
     for stage, program in enumerate(lower_nccl(schedule)):
-        for op in program:
+        for before, op in zip(program, program[1:]):
+            assert not (isinstance(before, CommGroup) and isinstance(op, CommGroup))
             if isinstance(op, CommGroup):
                 assert all(c.peer != stage for c in op.ops)
-                assert len({c.kind for c in op.ops}) == 1  # receives of one action, or sends

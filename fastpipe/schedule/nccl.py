@@ -6,29 +6,27 @@ its matching receive, and the ops between two ranks pair in the order they are p
 are no tags). Two ranks that both send first deadlock; a receive posted early blocks the sends
 behind it. This lowering orders every rank's communication by one global clock:
 
-1. A reference run gives every action a time: its round in the buffered lock-step simulation
-   (unit-time actions, each as soon as its inputs exist), ties broken by stage. Every action
-   comes after the actions whose tensors it takes, so the times are a topological order.
-2. Every transfer belongs to one *exchange*: the action that consumes it. Its receive is posted
-   by the consumer's rank right before that action; its send by the producer's rank at the
-   same time on the global clock (after the producer's last action before it), not when the
-   tensor is produced.
-3. Each exchange is one group (``batch_isend_irecv``) on each rank it involves, and a rank
-   posts its groups in exchange-time order. Within a group, ops are sorted by (sender,
-   receiver, what, micro-batch, stage), the same key on both ends.
+1. A reference run gives every action a round: the buffered lock-step simulation (unit-time
+   actions, each as soon as its inputs exist and its stage is free). Every action comes after
+   the actions whose tensors it takes.
+2. Every transfer belongs to the round of the action that consumes it. A rank posts, between
+   its actions of rounds ``r - 1`` and ``r``, one group (``batch_isend_irecv``) holding its ops
+   of every transfer of round ``r``: the receives of its own action of round ``r``, and the sends
+   whose consumer runs in round ``r`` on another rank. So a send goes right after its producer
+   when the consumer runs as soon as it can, later when the consumer's stage is busy (never
+   merely because the tensor exists), and a rank's sends and receives of one round travel
+   together (Megatron's ``send_forward_recv_backward``, for every schedule).
+3. Within a group, ops are sorted by (sender, receiver, what, skip connection, micro-batch,
+   stage): the same key on both ends, so the ops between two ranks pair in the same order.
 
-Why it cannot deadlock: by induction on exchange time ``t``, once every exchange before ``t``
-completed and every action before ``t`` ran, every rank taking part in exchange ``t`` has
-reached its group for ``t`` (its earlier groups are earlier exchanges, its earlier actions
-earlier times); the group's ops are then all posted on both ends, in the same order per pair,
-so they complete, and the consumer at ``t`` runs. The validator's NCCL model checks this proof
-on every schedule (``validate(schedule, comm="nccl")``), and ``DistributedPipe`` checks the
-programs it runs once, when first lowered.
-
-The price of the construction is one group per exchange rather than one per pair of actions
-(a sender's ops for different consumers are not merged), which is also what lets a message's
-size change between steps: its header tells the receiver, and the payload follows in a
-second group of the same exchange, which no other exchange can be waiting behind.
+Why it cannot deadlock: by induction on the round ``r``. Once every group and action of the
+rounds before ``r`` completed, every rank's group of round ``r`` is at the head of its stream,
+and every op in it has its counterpart in the peer's group of round ``r``, in the same order:
+they all pair and complete, and the actions of round ``r`` find their receives done. A message
+whose size changed since the previous step takes a second group in the same round (its header,
+in the first, tells the receiver), which nothing else can be waiting behind. The validator's NCCL
+model checks the result on every schedule (``validate(schedule, comm="nccl")``), and
+``DistributedPipe`` checks the programs it runs once, when first lowered.
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ from .lower import (CommFields, CommKind, FieldsOp, Op, SkipLink, counterpart_fi
 from .validate import lockstep_rounds
 
 __all__ = ["lower_nccl", "nccl_fields", "pair_key"]
-
-Time = tuple[int, int]  # (round of the reference run, stage): a total order of the actions
 
 
 def lower_nccl(schedule: Schedule, *,
@@ -65,7 +61,7 @@ def nccl_fields(schedule: Schedule, *,
         base = lower_fields(schedule, local=False, skips=tuple(skips))
         rounds = lockstep_rounds(schedule, base, comm="buffered")
         entries = [_split(program) for program in base]
-        slot = {(stage, op): (rounds[stage][i], stage)
+        slot = {(stage, op): rounds[stage][i]
                 for stage, rows in enumerate(entries)
                 for i, (_, receives, _) in enumerate(rows) for op in receives}
         return tuple(_program(stage, rows, rounds[stage], slot)
@@ -108,22 +104,19 @@ def _split(program: Sequence[FieldsOp]) -> list[_Entry]:
 
 
 def _program(stage: int, rows: list[_Entry], rounds: Sequence[int],
-             slot: dict[tuple[int, CommFields], Time]) -> list[FieldsOp]:
-    """One stage's NCCL program: its actions at their times, each exchange's group at the
-    exchange's time (before the action, when this stage is the consumer)."""
-    sends: dict[Time, list[CommFields]] = {}
-    items: list[tuple[Time, int, FieldsOp]] = []
+             slot: dict[tuple[int, CommFields], int]) -> list[FieldsOp]:
+    """One stage's NCCL program: its actions in their rounds, and before the action of each
+    round, one group with this stage's ops of every exchange of that round."""
+    groups: dict[int, list[CommFields]] = {}
+    actions: list[tuple[int, Action]] = []
     for (action, receives, outgoing), when in zip(rows, rounds):
-        now = (when, stage)
-        if receives:
-            items.append((now, 0, _sorted(stage, receives)))
-        items.append((now, 1, action))
+        groups.setdefault(when, []).extend(receives)
+        actions.append((when, action))
         for op in outgoing:
-            at = slot[(op[2], counterpart_fields(op, stage))]
-            group = sends.setdefault(at, [])
-            if op not in group:
-                group.append(op)
-    items += [(at, 0, _sorted(stage, group)) for at, group in sends.items()]
+            groups.setdefault(slot[(op[2], counterpart_fields(op, stage))], []).append(op)
+    items: list[tuple[int, int, FieldsOp]] = [(when, 1, action) for when, action in actions]
+    items += [(when, 0, _sorted(stage, list(dict.fromkeys(ops))))
+              for when, ops in groups.items() if ops]
     items.sort(key=itemgetter(0, 1))
     return [op for _, _, op in items]
 
