@@ -9,7 +9,7 @@ one run:
 * plain loop: the same, looping over the 8 micro-batches (what a pipeline overlaps);
 * fastpipe 1F1B: ``DistributedPipe(schedule='1f1b', checkpoint='never')`` with ``p2p='tagged'``
   (the default on the CPU: sends as produced) and with ``p2p='grouped'`` (the NCCL program,
-  one group per exchange, exact sizes: what GPUs run);
+  one group per round, exact sizes: what GPUs run);
 * torch.distributed.pipelining: ``PipelineStage`` + ``Schedule1F1B`` on the same stages.
 
 Every timed step starts after a barrier and ends when rank 0 finishes it. Prints medians, the

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run of at most 8 minutes: build the CUDA extension, run the
-# CUDA tests, then the GPU benchmarks (quick forms). Each part has its own time limit and log; a
+# CUDA tests, pipelines on GPUs (Pipe on cuda:0; DistributedPipe over NCCL where there are 2 or
+# more GPUs), then the GPU benchmarks (quick forms). Each part has its own time limit and log; a
 # part that fails or times out is reported and the others still run. Ends with a summary table.
 #
 #   benchmarks/gpu_check.sh            (logs in build/gpu_check/, or $GPU_CHECK_OUT)
@@ -60,6 +61,17 @@ print('fastpipe._C with CUDA', C.cuda_version, 'on', torch.cuda.get_device_name(
 TIMEOUT_ARG=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARG=(--timeout 120)
 part cuda-tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda -x "${TIMEOUT_ARG[@]}"
+# Pipelines on GPUs: Pipe with cuda:0 stages in one process; DistributedPipe over NCCL with one
+# GPU per rank (NCCL cannot put two ranks on one GPU, so it needs at least 2 GPUs).
+part pipe-cuda 60 "$PY" benchmarks/gpu_pipeline_check.py pipe
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if ((GPUS >= 2)); then
+  RANKS=$((GPUS < 4 ? GPUS : 4))
+  part distributed-nccl 150 "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node="$RANKS" benchmarks/gpu_pipeline_check.py distributed
+else
+  ROWS+=("distributed-nccl|skipped ($GPUS GPU: NCCL needs one GPU per rank, 2 or more)|0|")
+fi
 cd benchmarks
 part bench-transfer 45 "$PY" transfer.py --quick
 part bench-offload 45 "$PY" offload.py --quick

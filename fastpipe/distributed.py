@@ -71,7 +71,7 @@ class DistributedPipe(FrontDoor):
             group has no backend for is refused (``ProcessGroupError``).
         p2p: how messages move between ranks (``fastpipe.runtime.backends.P2P_MODES``):
             ``'grouped'`` runs the NCCL program of the schedule (``fastpipe.schedule.lower_nccl``:
-            one ``batch_isend_irecv`` group per exchange, posted in an order proven free of
+            one ``batch_isend_irecv`` group per round, posted in an order proven free of
             deadlock under NCCL's semantics, every receive sized exactly); ``'tagged'`` sends
             each message as soon as it is produced and matches it by tags (gloo only);
             ``'auto'`` (default): ``'grouped'`` on CUDA devices, ``'tagged'`` on the CPU.

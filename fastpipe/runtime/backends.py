@@ -20,7 +20,7 @@ from ..errors import ProcessGroupError
 P2P_MODES = ("auto", "tagged", "grouped")
 """``DistributedPipe(p2p=...)``: ``'tagged'`` sends each message when it is produced and takes it
 when needed, matched by tags (gloo only: it relies on tags and buffered sends); ``'grouped'``
-runs the NCCL program (``fastpipe.schedule.lower_nccl``: one group per exchange, exact sizes),
+runs the NCCL program (``fastpipe.schedule.lower_nccl``: one group per round, exact sizes),
 on NCCL or gloo; ``'auto'``: ``'grouped'`` on CUDA devices, ``'tagged'`` on the CPU."""
 
 

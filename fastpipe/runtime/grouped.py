@@ -3,12 +3,12 @@
 With ``DistributedPipe(p2p="grouped")`` (the default on NCCL) a rank runs the program of
 :func:`fastpipe.schedule.lower_nccl`: compute actions, and between them communication groups
 posted with ``torch.distributed.batch_isend_irecv``. A message an action produces for another
-rank waits in this rank's :class:`Stash` until the program reaches the group of its exchange,
+rank waits in this rank's :class:`Stash` until the program reaches the group of its round,
 then leaves with it. Every receive is sized exactly (NCCL needs equal sizes on both ends):
 
 - phase 1 of a group: every message's fixed-size header, and its payload when its size is the
   one the same message (sender, channel, stage, micro-batch) had last time; both ends keep that
-  table, so a steady stream of steps needs one group per exchange;
+  table, so a steady stream of steps needs one group per round;
 - phase 2, only when a header says so: the metadata of a message whose structure changed, and
   the payload of one whose size changed (phase 1 then carried a filler of the old size).
 
