@@ -166,7 +166,8 @@ class PerRankDriver(Driver):
     def timeline(self, recorder: StepRecorder) -> Timeline:
         """Every rank's (start, end) of its actions, on one clock (a collective over the
         pipeline group, bounded by the process group's timeout)."""
-        mine = (recorder.origin, list(recorder.intervals))  # CPU stages: no events pending
+        mine = (recorder.origin, recorder.resolved(  # GPU stages: their CUDA events read
+            {self.topology.stage: self.topology.device}, self.timeout))
         parts: List[Any] = [None] * dist.get_world_size(self.topology.group)
         dist.all_gather_object(parts, mine, group=self.topology.group)
         origin = min(o for o, _ in parts)

@@ -57,16 +57,23 @@ class StepRecorder:
             event.record(torch.cuda.current_stream(device))
             self.bases[device] = (event, time.perf_counter() - self.origin)
 
-    def timeline(self, devices: Dict[int, torch.device], timeout: float) -> Timeline:
-        """The step's measured timeline (waits, at most ``timeout`` seconds each, for the CUDA
-        events it still has to read)."""
+    def resolved(self, devices: Dict[int, torch.device],
+                 timeout: float) -> List[Tuple[int, Action, float, float]]:
+        """Every (stage, action, start, end), CUDA events read (waiting at most ``timeout``
+        seconds for each)."""
         intervals = list(self.intervals)
         for stage, action, start, end in self.pending:
             _wait_for(end, timeout, stage, action)
             base, offset = self.bases[devices[stage]]
             intervals.append((stage, action, offset + base.elapsed_time(start) / 1e3,
                               offset + base.elapsed_time(end) / 1e3))
-        return Timeline.from_intervals(self.num_stages, intervals, source="measured", unit="s")
+        return intervals
+
+    def timeline(self, devices: Dict[int, torch.device], timeout: float) -> Timeline:
+        """The step's measured timeline (waits, at most ``timeout`` seconds each, for the CUDA
+        events it still has to read)."""
+        return Timeline.from_intervals(self.num_stages, self.resolved(devices, timeout),
+                                       source="measured", unit="s")
 
 
 def _wait_for(event: Any, timeout: float, stage: int, action: Action) -> None:
