@@ -30,7 +30,7 @@ from ..schedule.nccl import pair_key
 from ..schedule.lower import comm_fields
 from .board import CHECK_EVERY, Board, wait_work
 from .executor import LocalExecutor, Rows
-from .grouped import GroupedExchange, Stash
+from .grouped import GroupedExchange, Posted, Stash
 from .lowering import Route, is_ready, lowering, nccl_programs
 from .mailbox import Mailbox
 from .p2p import (Channels, Inbox, Outbox, PeerFailed, PeerPayloads, SendLog, StepInfo,
@@ -205,9 +205,24 @@ class DistributedExecutor(LocalExecutor):
         self._learned = group
         return headers[[op.peer for op in group.ops].index(ranks.index(src_rank))]
 
-    def _exchange(self, step: StepState, group: CommGroup, action: Optional[Action]) -> List[Header]:
-        """One group of the program; errors name this rank and the action it feeds."""
+    def _exchange(self, step: StepState, group: CommGroup,
+                  action: Optional[Action]) -> List[Header]:
+        """One group of the program, posted and finished; errors name this rank and the
+        action it feeds."""
+        return self._finish(step, self._post(step, group), action)
+
+    def _post(self, step: StepState, group: CommGroup) -> Posted:
+        """Post a group's first phase (on a GPU: on the communication stream, after every
+        local stage's work so far, since its sends were computed there)."""
         assert self.exchange is not None
+        with self.peers_named(f"posting the exchange {group}"), self._comm_stream_after(step):
+            return self.exchange.post(group)
+
+    def _finish(self, step: StepState, posted: Posted, action: Optional[Action]) -> List[Header]:
+        """Wait for a posted group and deliver what it brought (on a GPU, the local stages'
+        streams then wait for the communication stream: CUDA events, no host sync)."""
+        assert self.exchange is not None
+        group = posted.group
         where = self._where(action) if action is not None else {}
         feeds = (f" (for action {action}, micro-batch {action.microbatch})"
                  if action is not None else "")
@@ -217,35 +232,47 @@ class DistributedExecutor(LocalExecutor):
             self._wait_exchange(work, f"{what}{feeds}", step, deadline, group, where)
 
         try:
-            with self.peers_named(f"running the exchange {group}"), self._on_comm_stream(step):
-                return self.exchange.run(group, step.mailboxes, wait)
+            with self.peers_named(f"running the exchange {group}"), \
+                    self._comm_stream_before(step):
+                return self.exchange.finish(posted, step.mailboxes, wait)
         except PeerFailed as failure:
             raise PipelineAborted(f"rank {self.rank} stopped in the exchange {group}{feeds} "
                                   f"because {failure}") from None
 
+    def _local_streams(self, step: StepState) -> List[Any]:
+        return [step.stages[v].stream for v in range(len(step.stages))
+                if self.topology.local(v) and getattr(step.stages[v], "stream", None)
+                is not None]
+
     @contextlib.contextmanager
-    def _on_comm_stream(self, step: StepState) -> Iterator[None]:
-        """On a GPU, post the exchange on a communication stream that waits for every local
-        stage's stream (the payloads it sends were computed there) and that those streams wait
-        for afterwards (the tensors it received are used there): CUDA events, no host sync.
-        NCCL runs the group on its own stream, ordered after this one."""
+    def _comm_stream_after(self, step: StepState) -> Iterator[None]:
+        """On a GPU: run the block on the communication stream, ordered after every local
+        stage's stream (NCCL runs a group on its own stream, ordered after this one)."""
         if self.topology.device.type != "cuda":
             yield
             return
         if self._comm_stream is None:
             self._comm_stream = torch.cuda.Stream(self.topology.device)
-        comm = self._comm_stream
-        streams = [step.stages[v].stream for v in range(len(step.stages))
-                   if self.topology.local(v) and getattr(step.stages[v], "stream", None)
-                   is not None]
-        for stream in streams:
-            comm.wait_stream(stream)
-        assert self.exchange is not None
+        for stream in self._local_streams(step):
+            self._comm_stream.wait_stream(stream)
+        with torch.cuda.stream(self._comm_stream):
+            yield
+
+    @contextlib.contextmanager
+    def _comm_stream_before(self, step: StepState) -> Iterator[None]:
+        """On a GPU: run the block on the communication stream, then order every local
+        stage's stream after it (the tensors it received are used there; the caching
+        allocator learns it through ``record_stream``)."""
+        if self.topology.device.type != "cuda":
+            yield
+            return
+        assert self.exchange is not None and self._comm_stream is not None
+        streams = self._local_streams(step)
         self.exchange.consumer_streams = streams
-        with torch.cuda.stream(comm):
+        with torch.cuda.stream(self._comm_stream):
             yield
         for stream in streams:
-            stream.wait_stream(comm)
+            stream.wait_stream(self._comm_stream)
 
     def _wait_exchange(self, work: Any, what: str, step: StepState, deadline: float,
                        group: CommGroup, where: Dict[str, Any]) -> None:
@@ -300,8 +327,9 @@ class DistributedExecutor(LocalExecutor):
             return super()._work(step, worker, group, rows, bell)
         entries = iter(rows[group[0]])
         program = self._program
+        posted: Optional[Posted] = None  # a group in flight (at most one: phases stay paired)
         with step.ambient():
-            for i, op in enumerate(program):
+            for op in program:
                 if step.abort.reason is not None:
                     raise PipelineAborted(f"rank {self.rank} stopped because "
                                           f"{step.abort.reason}")
@@ -309,15 +337,22 @@ class DistributedExecutor(LocalExecutor):
                     if self._learned is not None:
                         self._skip_learned(op)
                         continue
-                    feeds = next((a for a in program[i:] if isinstance(a, Action)), None)
+                    if posted is not None:  # its phases before any other group's
+                        self._finish(step, posted, None)
                     self._doing(f"in the exchange {op}")
-                    self._exchange(step, op, feeds)
+                    posted = self._post(step, op)
                     continue
                 action, route = next(entries)
+                if posted is not None and posted.feeds(
+                        (route.virtual_stage, action.kind, action.microbatch)):
+                    self._finish(step, posted, action)
+                    posted = None
                 if action != op or not is_ready(step, route):
                     raise PipelineError(f"rank {self.rank} reached action {op} without its "
                                         f"messages: the program and the schedule disagree")
                 self._run_action(step, worker, step.stages[route.virtual_stage], action)
+            if posted is not None:
+                self._finish(step, posted, None)
         return None
 
     def _skip_learned(self, group: CommGroup) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PipelineError
-from ..schedule import Comm, CommGroup, CommKind
+from ..schedule import ActionKind, Comm, CommGroup, CommKind, Payload
 from .lowering import carries_loss
 from .mailbox import Mailbox
 from .message import Message
@@ -94,6 +94,10 @@ class GroupedExchange:
     def run(self, group: CommGroup, mailboxes: Sequence[Mailbox], wait: Wait) -> List[Header]:
         """Send and receive every message of ``group``; received ones go into their stage's
         mailbox. Returns the received headers."""
+        return self.finish(self.post(group), mailboxes, wait)
+
+    def post(self, group: CommGroup) -> "Posted":
+        """Post phase 1 of ``group`` (headers, and payloads of cached sizes) without waiting."""
         sends = [self._outgoing(op) for op in group.ops if op.kind is CommKind.SEND]
         receives = [self._incoming(op) for op in group.ops if op.kind is CommKind.RECV]
         first: List[Tuple[Any, torch.Tensor, int, int]] = []  # (op, tensor, rank, tag)
@@ -106,7 +110,14 @@ class GroupedExchange:
             first.append((dist.irecv, inc.header, inc.rank, HEADER_TAG))
             if inc.cached is not None:
                 first.append((dist.irecv, inc.cached, inc.rank, PAYLOAD_TAG))
-        self._post(first, wait, group)
+        return Posted(group, sends, receives, self._launch(first, group))
+
+    def finish(self, posted: "Posted", mailboxes: Sequence[Mailbox],
+               wait: Wait) -> List[Header]:
+        """Wait for phase 1 of a posted group, run its phase 2 if a header asks for one, and
+        deliver what it received; returns the received headers."""
+        group, sends, receives = posted.group, posted.sends, posted.receives
+        self._await(posted.launched, wait, group)
         headers = [self._read_header(inc) for inc in receives]
         second: List[Tuple[Any, torch.Tensor, int, int]] = []
         for out in sends:
@@ -117,7 +128,7 @@ class GroupedExchange:
         for inc, header in zip(receives, headers):
             second += self._phase2_receives(inc, header)
         if second:
-            self._post(second, wait, group)
+            self._await(self._launch(second, group), wait, group)
         for inc, header in zip(receives, headers):
             self._deliver(inc, header, mailboxes)
         return headers
@@ -221,26 +232,54 @@ class GroupedExchange:
         mailboxes[header.dst_stage].put(inc.op, from_meta(meta, unpack(buffer, meta.layouts)))
 
     # ---------------------------------------------------------------- posting
-    def _post(self, ops: List[Tuple[Any, torch.Tensor, int, int]], wait: Wait,
-              group: CommGroup) -> None:
-        """One ``batch_isend_irecv`` of ``ops``; waits for its receives (a send is only waited
-        for at the step's end: its tensor stays referenced until then)."""
+    def _launch(self, ops: List[Tuple[Any, torch.Tensor, int, int]],
+                group: CommGroup) -> List[Tuple[Any, Any, List[torch.Tensor]]]:
+        """One ``batch_isend_irecv`` of ``ops``: its works, each with whether it is a send and
+        its tensors (a send is only waited for at the step's end, its tensor referenced until
+        then; NCCL gives one work for the whole group)."""
+        if not ops:
+            return []
         pg = self.transport.group
         p2p = [dist.P2POp(op, tensor, peer=rank, group=pg, tag=tag)
                for op, tensor, rank, tag in ops]
-        what = f"the exchange {group}"
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as error:
             peer = next((rank for _, _, rank, _ in ops), -1)
-            raise TransportError(f"posting {what} failed: {error}", peer) from error
-        if len(works) != len(ops):  # coalesced (NCCL): one work for the whole group
-            for work in works:
-                wait(work, what)
-            self.log.add(None, [tensor for _, tensor, _, _ in ops], what)
-            return
-        for (op, tensor, _, _), work in zip(ops, works):
-            if op is dist.isend:
-                self.log.add(work, [tensor], what)
+            raise TransportError(f"posting the exchange {group} failed: {error}", peer) from error
+        if len(works) != len(ops):  # coalesced (NCCL)
+            return [(False, work, [tensor for _, tensor, _, _ in ops]) for work in works]
+        return [(op is dist.isend, work, [tensor])
+                for (op, tensor, _, _), work in zip(ops, works)]
+
+    def _await(self, launched: List[Tuple[Any, Any, List[torch.Tensor]]], wait: Wait,
+               group: CommGroup) -> None:
+        what = f"the exchange {group}"
+        for is_send, work, tensors in launched:
+            if is_send:
+                self.log.add(work, tensors, what)
             else:
                 wait(work, what)
+                self.log.add(None, tensors, what)
+
+
+@dataclass
+class Posted:
+    """A group whose phase 1 is in flight."""
+
+    group: CommGroup
+    sends: List[_Outgoing]
+    receives: List[_Incoming]
+    launched: List[Tuple[Any, Any, List[torch.Tensor]]]
+
+    def feeds(self, consumer: Tuple[int, Any, int]) -> bool:
+        """Whether the group receives a tensor for the action ``(virtual stage, kind,
+        micro-batch)``."""
+        return any(consumer == consumer_of(inc.op) for inc in self.receives)
+
+
+def consumer_of(op: Comm) -> Tuple[int, ActionKind, int]:
+    """The action that takes what a receive op brings: the forward (activations) or the
+    backward (gradients) of its virtual stage and micro-batch."""
+    kind = ActionKind.FORWARD if op.what is Payload.ACT else ActionKind.BACKWARD
+    return (op.virtual_stage, kind, op.microbatch)

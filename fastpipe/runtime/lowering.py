@@ -137,13 +137,14 @@ def _route(schedule: Schedule, stage: int, action: Action, receives: List[Comm],
 
 
 def nccl_programs(lowered: Lowering) -> Tuple[Tuple[Op, ...], ...]:
-    """The step's NCCL programs (:func:`fastpipe.schedule.lower_nccl`, for
-    ``DistributedPipe(p2p="grouped")``), proven free of deadlock under the NCCL model when first
-    built."""
+    """The step's NCCL programs (:func:`fastpipe.schedule.lower_nccl` with ``prefetch``: a
+    group that does not send what the action before it produces is posted before that action),
+    for ``DistributedPipe(p2p="grouped")``, proven free of deadlock under the NCCL model when
+    first built."""
     with _lock:
         found = lowered.nccl.get("programs")
     if found is None:
-        found = lower_nccl(lowered.schedule, skips=lowered.skips)
+        found = lower_nccl(lowered.schedule, skips=lowered.skips, prefetch=True)
         run_lockstep(lowered.schedule, found, comm="nccl")  # raises ScheduleError on a deadlock
         with _lock:
             lowered.nccl["programs"] = found

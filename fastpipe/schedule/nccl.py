@@ -34,28 +34,32 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Sequence
 
-from .ir import ANALYSES, Action, Schedule, gc_paused
-from .lower import (CommFields, CommKind, FieldsOp, Op, SkipLink, counterpart_fields, group_from,
-                    lower_fields)
+from .ir import ANALYSES, Action, ActionKind, Schedule, gc_paused
+from .lower import (CommFields, CommKind, FieldsOp, Op, Payload, SkipLink, counterpart_fields,
+                    group_from, lower_fields)
 from .validate import lockstep_rounds
 
 __all__ = ["lower_nccl", "nccl_fields", "pair_key"]
 
 
-def lower_nccl(schedule: Schedule, *,
-               skips: Sequence[SkipLink] = ()) -> tuple[tuple[Op, ...], ...]:
+def lower_nccl(schedule: Schedule, *, skips: Sequence[SkipLink] = (),
+               prefetch: bool = False) -> tuple[tuple[Op, ...], ...]:
     """Every stage's program of compute actions and NCCL groups (see module docstring).
 
     Transfers between chunks of one stage are no ops (they never leave the rank); ``skips``
-    adds the transfers of the model's skip connections.
+    adds the transfers of the model's skip connections. ``prefetch``: a group none of whose
+    sends the action before it produces is moved ahead of that action, so that its receives
+    are in flight while the action computes. That changes no stream's order of groups (the CPU
+    only enqueues the group sooner), so the proof holds; executors post such a group, run the
+    action, then wait for the group.
     """
     with gc_paused():
         return tuple(tuple(group_from(op) if type(op) is tuple else op for op in program)
-                     for program in nccl_fields(schedule, skips=skips))
+                     for program in nccl_fields(schedule, skips=skips, prefetch=prefetch))
 
 
-def nccl_fields(schedule: Schedule, *,
-                skips: Sequence[SkipLink] = ()) -> tuple[list[FieldsOp], ...]:
+def nccl_fields(schedule: Schedule, *, skips: Sequence[SkipLink] = (),
+                prefetch: bool = False) -> tuple[list[FieldsOp], ...]:
     """:func:`lower_nccl` with each group given as the tuple of its ops' fields."""
     with gc_paused():
         base = lower_fields(schedule, local=False, skips=tuple(skips))
@@ -64,8 +68,11 @@ def nccl_fields(schedule: Schedule, *,
         slot = {(stage, op): rounds[stage][i]
                 for stage, rows in enumerate(entries)
                 for i, (_, receives, _) in enumerate(rows) for op in receives}
-        return tuple(_program(stage, rows, rounds[stage], slot)
-                     for stage, rows in enumerate(entries))
+        programs = tuple(_program(stage, rows, rounds[stage], slot)
+                         for stage, rows in enumerate(entries))
+        if prefetch:
+            programs = tuple(_prefetched(schedule, program) for program in programs)
+        return programs
 
 
 ANALYSES["lower_nccl"] = nccl_fields
@@ -119,6 +126,28 @@ def _program(stage: int, rows: list[_Entry], rounds: Sequence[int],
               for when, ops in groups.items() if ops]
     items.sort(key=itemgetter(0, 1))
     return [op for _, _, op in items]
+
+
+def _prefetched(schedule: Schedule, program: list[FieldsOp]) -> list[FieldsOp]:
+    """``program`` with each group that sends nothing the action before it produces moved
+    ahead of that action."""
+    out: list[FieldsOp] = []
+    for op in program:
+        before = out[-1] if out else None
+        if type(op) is tuple and isinstance(before, Action) and not any(
+                comm[0] is CommKind.SEND and _produced_by(schedule, before, comm)
+                for comm in op):
+            out.insert(len(out) - 1, op)
+        else:
+            out.append(op)
+    return out
+
+
+def _produced_by(schedule: Schedule, action: Action, comm: CommFields) -> bool:
+    """Whether ``action`` produces the tensor a send op ``comm`` carries."""
+    kind = ActionKind.FORWARD if comm[1] is Payload.ACT else ActionKind.BACKWARD
+    return (action.kind is kind and action.microbatch == comm[3]
+            and schedule.virtual_stage_of(action) == comm[4])
 
 
 def _sorted(stage: int, ops: list[CommFields]) -> tuple[CommFields, ...]:
