@@ -341,6 +341,9 @@ class DistributedExecutor(LocalExecutor):
                         self._finish(step, posted, None)
                     self._doing(f"in the exchange {op}")
                     posted = self._post(step, op)
+                    if not posted.receives:  # sends only: their second phase leaves now
+                        self._finish(step, posted, None)
+                        posted = None
                     continue
                 action, route = next(entries)
                 if posted is not None and posted.feeds(

@@ -117,8 +117,15 @@ class GroupedExchange:
         """Wait for phase 1 of a posted group, run its phase 2 if a header asks for one, and
         deliver what it received; returns the received headers."""
         group, sends, receives = posted.group, posted.sends, posted.receives
-        self._await(posted.launched, wait, group)
+        headers_first = sorted(posted.launched, key=lambda item: item[0] != "header")
+        waited = 0
+        for item in headers_first:  # a failure notice comes in a header's place: stop there
+            if item[0] != "header":
+                break
+            self._await([item], wait, group)
+            waited += 1
         headers = [self._read_header(inc) for inc in receives]
+        self._await(headers_first[waited:], wait, group)
         second: List[Tuple[Any, torch.Tensor, int, int]] = []
         for out in sends:
             if out.meta is not None:
@@ -234,9 +241,10 @@ class GroupedExchange:
     # ---------------------------------------------------------------- posting
     def _launch(self, ops: List[Tuple[Any, torch.Tensor, int, int]],
                 group: CommGroup) -> List[Tuple[Any, Any, List[torch.Tensor]]]:
-        """One ``batch_isend_irecv`` of ``ops``: its works, each with whether it is a send and
-        its tensors (a send is only waited for at the step's end, its tensor referenced until
-        then; NCCL gives one work for the whole group)."""
+        """One ``batch_isend_irecv`` of ``ops``: its works, each with its role (``'send'``,
+        ``'header'`` or ``'data'`` received, or ``'group'``: NCCL gives one work for the whole
+        group) and its tensors (a send is only waited for at the step's end, its tensor
+        referenced until then)."""
         if not ops:
             return []
         pg = self.transport.group
@@ -248,15 +256,15 @@ class GroupedExchange:
             peer = next((rank for _, _, rank, _ in ops), -1)
             raise TransportError(f"posting the exchange {group} failed: {error}", peer) from error
         if len(works) != len(ops):  # coalesced (NCCL)
-            return [(False, work, [tensor for _, tensor, _, _ in ops]) for work in works]
-        return [(op is dist.isend, work, [tensor])
-                for (op, tensor, _, _), work in zip(ops, works)]
+            return [("group", work, [tensor for _, tensor, _, _ in ops]) for work in works]
+        return [("send" if op is dist.isend else "header" if tag == HEADER_TAG else "data",
+                 work, [tensor]) for (op, tensor, _, tag), work in zip(ops, works)]
 
     def _await(self, launched: List[Tuple[Any, Any, List[torch.Tensor]]], wait: Wait,
                group: CommGroup) -> None:
         what = f"the exchange {group}"
-        for is_send, work, tensors in launched:
-            if is_send:
+        for role, work, tensors in launched:
+            if role == "send":
                 self.log.add(work, tensors, what)
             else:
                 wait(work, what)

@@ -138,7 +138,7 @@ def _route(schedule: Schedule, stage: int, action: Action, receives: List[Comm],
 
 def nccl_programs(lowered: Lowering) -> Tuple[Tuple[Op, ...], ...]:
     """The step's NCCL programs (:func:`fastpipe.schedule.lower_nccl` with ``prefetch``: a
-    group that does not send what the action before it produces is posted before that action),
+    group of receives only is posted before the action ahead of it),
     for ``DistributedPipe(p2p="grouped")``, proven free of deadlock under the NCCL model when
     first built."""
     with _lock:

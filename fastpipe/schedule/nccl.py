@@ -34,9 +34,9 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Sequence
 
-from .ir import ANALYSES, Action, ActionKind, Schedule, gc_paused
-from .lower import (CommFields, CommKind, FieldsOp, Op, Payload, SkipLink, counterpart_fields,
-                    group_from, lower_fields)
+from .ir import ANALYSES, Action, Schedule, gc_paused
+from .lower import (CommFields, CommKind, FieldsOp, Op, SkipLink, counterpart_fields, group_from,
+                    lower_fields)
 from .validate import lockstep_rounds
 
 __all__ = ["lower_nccl", "nccl_fields", "pair_key"]
@@ -47,11 +47,12 @@ def lower_nccl(schedule: Schedule, *, skips: Sequence[SkipLink] = (),
     """Every stage's program of compute actions and NCCL groups (see module docstring).
 
     Transfers between chunks of one stage are no ops (they never leave the rank); ``skips``
-    adds the transfers of the model's skip connections. ``prefetch``: a group none of whose
-    sends the action before it produces is moved ahead of that action, so that its receives
-    are in flight while the action computes. That changes no stream's order of groups (the CPU
-    only enqueues the group sooner), so the proof holds; executors post such a group, run the
-    action, then wait for the group.
+    adds the transfers of the model's skip connections. ``prefetch``: a group of receives only
+    is moved ahead of the action before it, so that they are in flight while the action
+    computes. That changes no stream's order of groups (the CPU only enqueues the group
+    sooner), so the proof holds; executors post such a group, run the action, then wait for
+    the group. (A group with sends stays put: a rank that failed in the action in between
+    would leave a peer waiting for the rest of a message.)
     """
     with gc_paused():
         return tuple(tuple(group_from(op) if type(op) is tuple else op for op in program)
@@ -71,7 +72,7 @@ def nccl_fields(schedule: Schedule, *, skips: Sequence[SkipLink] = (),
         programs = tuple(_program(stage, rows, rounds[stage], slot)
                          for stage, rows in enumerate(entries))
         if prefetch:
-            programs = tuple(_prefetched(schedule, program) for program in programs)
+            programs = tuple(_prefetched(program) for program in programs)
         return programs
 
 
@@ -128,26 +129,16 @@ def _program(stage: int, rows: list[_Entry], rounds: Sequence[int],
     return [op for _, _, op in items]
 
 
-def _prefetched(schedule: Schedule, program: list[FieldsOp]) -> list[FieldsOp]:
-    """``program`` with each group that sends nothing the action before it produces moved
-    ahead of that action."""
+def _prefetched(program: list[FieldsOp]) -> list[FieldsOp]:
+    """``program`` with each group of receives only moved ahead of the action before it."""
     out: list[FieldsOp] = []
     for op in program:
-        before = out[-1] if out else None
-        if type(op) is tuple and isinstance(before, Action) and not any(
-                comm[0] is CommKind.SEND and _produced_by(schedule, before, comm)
-                for comm in op):
+        if type(op) is tuple and out and isinstance(out[-1], Action) and all(
+                comm[0] is CommKind.RECV for comm in op):
             out.insert(len(out) - 1, op)
         else:
             out.append(op)
     return out
-
-
-def _produced_by(schedule: Schedule, action: Action, comm: CommFields) -> bool:
-    """Whether ``action`` produces the tensor a send op ``comm`` carries."""
-    kind = ActionKind.FORWARD if comm[1] is Payload.ACT else ActionKind.BACKWARD
-    return (action.kind is kind and action.microbatch == comm[3]
-            and schedule.virtual_stage_of(action) == comm[4])
 
 
 def _sorted(stage: int, ops: list[CommFields]) -> tuple[CommFields, ...]:
