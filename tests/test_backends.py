@@ -69,9 +69,19 @@ def test_the_transport_follows_the_device():
 
 
 def test_ranks_that_disagree_are_refused_with_both_values():
-    mine = backends.agreement({"device type": "cuda", "p2p": "grouped"})
-    backends.check_agreement(mine, {0: mine, 1: mine})
-    theirs = backends.agreement({"device type": "cpu", "p2p": "grouped"})
+    mine = backends.agreement(torch.device("cuda", 0), "grouped")
+    other_gpu = backends.agreement(torch.device("cuda", 1), "grouped")
+    backends.check_agreement(mine, {0: mine, 1: other_gpu}, me=0)  # itself, another GPU
+    theirs = backends.agreement(torch.device("cpu"), "grouped")
     with pytest.raises(ProcessGroupError, match="disagree on device type: this rank has 'cuda', "
                                                 "rank 1 has 'cpu'"):
-        backends.check_agreement(mine, {0: mine, 1: theirs})
+        backends.check_agreement(mine, {0: mine, 1: theirs}, me=0)
+    tagged = backends.agreement(torch.device("cpu"), "tagged")
+    with pytest.raises(ProcessGroupError, match="disagree on p2p"):
+        backends.check_agreement(theirs, {1: tagged}, me=0)
+
+
+def test_two_ranks_on_one_gpu_are_refused():
+    mine = backends.agreement(torch.device("cuda", 0), "grouped")
+    with pytest.raises(ProcessGroupError, match="both run on .*/cuda:0: NCCL cannot put two"):
+        backends.check_agreement(mine, {0: mine, 3: mine}, me=0)

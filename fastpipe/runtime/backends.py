@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from typing import Any, Dict, Optional, Union
 
 import torch
@@ -99,18 +100,32 @@ def resolve_p2p(p2p: str, device: torch.device, group: Any) -> str:
     return p2p
 
 
-def agreement(facts: Dict[str, Any]) -> str:
-    """``facts`` (device type, transport, ...) as the text ranks post on their board."""
+def agreement(device: torch.device, p2p: str) -> str:
+    """What ranks post on their board and compare: device type and transport (equal on every
+    rank), and for a GPU the host and device (different on every rank)."""
+    facts: Dict[str, Any] = {"device type": device.type, "p2p": p2p}
+    if device.type == "cuda":
+        facts["gpu"] = f"{socket.gethostname()}/{device}"
     return json.dumps(facts, sort_keys=True)
 
 
-def check_agreement(mine: str, posted: Dict[int, str]) -> None:
-    """Refuse a pipeline whose ranks posted different facts (each rank checks the ranks that
-    built their pipes before its first step, so the last one to build sees every other)."""
+def check_agreement(mine: str, posted: Dict[int, str], me: int) -> None:
+    """Refuse a pipeline whose ranks posted different facts (rank ``me`` checks the ranks that
+    built their pipes before its first step, so the last one to build sees every other), or
+    two ranks on one GPU (``'gpu'``: host and device, which NCCL cannot share)."""
     ours = json.loads(mine)
     for rank, text in sorted(posted.items()):
+        if rank == me:
+            continue
         theirs = json.loads(text)
+        if ours.get("gpu") and theirs.get("gpu") == ours["gpu"]:
+            raise ProcessGroupError(
+                f"this rank and rank {rank} both run on {ours['gpu']}: NCCL cannot put two ranks "
+                f"on one GPU; start as many ranks per machine as it has GPUs "
+                f"(torchrun --nproc_per_node), or pass each rank its own device=")
         for name, value in ours.items():
+            if name == "gpu":
+                continue
             if theirs.get(name) != value:
                 raise ProcessGroupError(
                     f"the pipeline's ranks disagree on {name}: this rank has {value!r}, rank "

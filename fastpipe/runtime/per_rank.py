@@ -61,7 +61,7 @@ class PerRankDriver(Driver):
         self.executor = DistributedExecutor(topology, self.board, self._after_action,
                                             skip_links(skips.values()), grouped=p2p == "grouped")
         self.p2p = p2p
-        self._facts = backends.agreement({"device type": topology.device.type, "p2p": p2p})
+        self._facts = backends.agreement(topology.device, p2p)
         self.board.share(self._facts)
         self.data_group = data_group
         self.replicas = 1 if data_group is None else dist.get_world_size(data_group)
@@ -116,7 +116,7 @@ class PerRankDriver(Driver):
         self.board.liveness.at(self.steps, "starting the step")
         if self.steps == 1:
             backends.check_agreement(self._facts, self.board.facts(
-                dist.get_process_group_ranks(self.topology.group)))
+                dist.get_process_group_ranks(self.topology.group)), self.topology.rank)
         self.executor.wire(step, plan())
         learned_from: Optional[int] = None
         entry = min(self.local)
