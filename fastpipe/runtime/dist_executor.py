@@ -439,7 +439,8 @@ class DistributedExecutor(LocalExecutor):
         self._doing(f"running action {action} (micro-batch {action.microbatch})")
         super()._run_action(step, worker, stage, action)
         if self.after_action is not None:
-            self.after_action(step, stage, action)
+            with stage.context():  # GPU: a gradient all-reduce ordered after the backward
+                self.after_action(step, stage, action)
 
     def _flush_sends(self, timeout: float) -> None:
         """Wait until every message of the step has left (its buffers may then be reused)."""

@@ -15,7 +15,7 @@ from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
 from . import adaptive, graphs
 from .driver import Driver
-from .stage import Stage
+from .stage import Stage, order_streams
 from .step import StepState
 from .trace import StepRecorder
 from .workers import WorkerPolicy
@@ -61,16 +61,3 @@ class InProcessDriver(Driver):
 
     def wait_for_devices(self) -> None:
         adaptive.wait_for(self.devices, self.timeout)
-
-
-def order_streams(stages: Sequence[Any], *, before: bool) -> None:
-    """Order the stages' CUDA streams after the caller's work (parameters just updated by an
-    optimizer, inputs just made) before a step, and the caller's streams after the stages' work
-    (gradients, outputs) once it ends. A no-op for CPU stages."""
-    for stage in stages:
-        if stage.stream is not None:
-            caller = torch.cuda.current_stream(stage.device)
-            if before:
-                stage.stream.wait_stream(caller)
-            else:
-                caller.wait_stream(stage.stream)

@@ -26,6 +26,7 @@ from .dist_executor import DistributedExecutor, Topology, last_gradient_actions
 from .driver import Driver
 from .grad_sync import GradSync
 from .lowering import skip_links
+from .stage import order_streams
 from .step import StepState
 from .tied_sync import TiedSync
 from .trace import StepRecorder
@@ -154,7 +155,11 @@ class PerRankDriver(Driver):
         self.last_actions = (last_gradient_actions(schedule.actions[self.topology.stage],
                                                    schedule) if step.train else {})
         batchnorm.discard(local)
-        self.executor.run(programs, step, schedule)
+        order_streams(local, before=True)  # GPU: after the optimizer's update, and back after
+        try:
+            self.executor.run(programs, step, schedule)
+        finally:
+            order_streams(local, before=False)
         if step.train:  # no rank keeps a step another did not finish
             self.executor.confirm_step(self.timeout)
         batchnorm.commit(local)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -97,3 +97,16 @@ class Stage:
 def _stats(norm: nn.Module) -> list:
     return [b for b in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
             if b is not None]
+
+
+def order_streams(stages: Sequence[Any], *, before: bool) -> None:
+    """Order the stages' CUDA streams after the caller's work (parameters just updated by an
+    optimizer, inputs just made) before a step, and the caller's streams after the stages' work
+    (gradients, outputs) once it ends. A no-op for CPU stages."""
+    for stage in stages:
+        if stage.stream is not None:
+            caller = torch.cuda.current_stream(stage.device)
+            if before:
+                stage.stream.wait_stream(caller)
+            else:
+                caller.wait_stream(stage.stream)
