@@ -26,6 +26,8 @@ from . import materialise, tracing
 from .policies import tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
+from .parallel import checkpoint as sharded_state, setup as parallel_setup
+from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
 from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
 from .runtime import weight_versions
 from .runtime.dist_executor import Topology
@@ -92,7 +94,10 @@ class DistributedPipe(FrontDoor):
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
                  tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
                  example_inputs: Optional[Any] = None,
-                 init_weights: Optional[Callable[[nn.Module], Any]] = None) -> None:
+                 init_weights: Optional[Callable[[nn.Module], Any]] = None,
+                 mesh: Optional[Mesh] = None,
+                 tensor_parallel: Optional[parallel_setup.tensor.Plan] = None,
+                 data_parallel: str = "replicate") -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
@@ -100,6 +105,12 @@ class DistributedPipe(FrontDoor):
                                "environment provides the rendezvous), or use fastpipe.Pipe in one "
                                "process")
         traced = module if tracing.wanted(module, split_points) else None
+        par = parallel_setup.resolve(  # 3-D layouts (fastpipe.parallel), checked before any work
+            module, mesh=mesh, process_group=process_group,
+            data_parallel_group=data_parallel_group, tensor_parallel=tensor_parallel,
+            data_parallel=data_parallel, schedule=schedule, traced=traced is not None, tied=tied)
+        process_group, data_parallel_group = par.pipeline_group, par.data_group
+        self.mesh = mesh
         if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
             group = process_group if process_group is not None else dist.group.WORLD
             count = dist.get_world_size(group) * resolve_virtual_stages(virtual_stages, schedule)
@@ -143,7 +154,8 @@ class DistributedPipe(FrontDoor):
             part = OrderedDict((keys[i], _materialise(layers[i], self._device, init))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
-            stages.append(Stage(k, nn.Sequential(part), self._device,
+            stage_module = par.apply(k, nn.Sequential(part))  # TP, FSDP (if any) in place
+            stages.append(Stage(k, stage_module, self._device,
                                 deferred_batch_norm=layout.deferred_batch_norm))
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
@@ -151,7 +163,7 @@ class DistributedPipe(FrontDoor):
             self.module = tracing.local_view(traced, self.module)
         object.__setattr__(self, "_stages", stages)
         self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
-                                     layout.timeout)
+                                     layout.timeout, sharded=par.hooks())
         skip_exchange.wire(stages, self._driver.skips)
         self._pipedream = (weight_versions.PipeDream(stages)
                            if self._schedule_name == "pipedream" else None)
@@ -185,6 +197,8 @@ class DistributedPipe(FrontDoor):
             raise RuntimeError(f"the state dict lacks {len(missing)} entries of the layers on rank "
                                f"{self._driver.topology.rank}, e.g. {missing[:3]}; save it from "
                                f"the plain model or gather every rank's state_dict()")
+        if sharded_state.has_dtensors(self.module):  # TP / FSDP shards: cut or redistributed
+            return sharded_state.load(self.module, mine, strict=False)
         return self.module.load_state_dict(mine, strict=False, assign=assign)
 
     def __repr__(self) -> str:
@@ -287,15 +301,3 @@ def _resolve_device(device: Optional[Union[str, torch.device]], group: Any) -> t
         raise NotImplementedError(f"device={device!r}: DistributedPipe runs its stages on the "
                                   f"CPU for now (gloo sends CPU tensors); use device='cpu'")
     return resolved
-
-
-def init_mesh(pipeline: int, data: int = 1, device_type: str = "cpu") -> Tuple[Any, Any]:
-    """Split the world into ``data`` pipelines of ``pipeline`` ranks: returns this rank's
-    (pipeline group, data-parallel group). Rank ``r`` is stage ``r % pipeline`` of pipeline
-    ``r // pipeline``; the data group joins the same stage of every pipeline."""
-    world = dist.get_world_size()
-    if pipeline < 1 or data < 1 or pipeline * data != world:
-        raise ValueError(f"pipeline={pipeline} x data={data} must equal the world size {world}")
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device_type, (data, pipeline), mesh_dim_names=("data", "pipeline"))
-    return mesh.get_group("pipeline"), mesh.get_group("data")

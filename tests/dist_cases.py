@@ -812,6 +812,89 @@ CASES = {f.__name__: f for f in (transparency, data_parallel, variable_shapes, f
                                  skip_connections, compat, evaluate, several)}
 
 
+
+# ------------------------------------------------------------- 3-D parallelism (fastpipe.parallel)
+def tp_plan(depth: int) -> Dict[str, Any]:
+    """Column- then row-parallel pairs of the test model's linears (the activation between a
+    pair is sharded across the tensor-parallel group, after it replicated), and the last layer
+    column-parallel with a replicated output."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    plan: Dict[str, Any] = {}
+    for i in range(0, depth - 2, 2):
+        plan[f"{i}.0"], plan[f"{i + 1}.0"] = ColwiseParallel(), RowwiseParallel()
+    plan[str(depth - 1)] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective over its mesh), a tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def check_full_grads(pipe: nn.Module, expected: Dict[str, torch.Tensor], where: str) -> float:
+    """check_grads for sharded (DTensor) parameters: every rank of a shard's group gathers."""
+    worst = 0.0
+    for name, p in pipe.named_parameters():
+        assert p.grad is not None, f"{where}: {name} has no gradient"
+        grad = full(p.grad)
+        torch.testing.assert_close(grad, expected[name], **TOL,
+                                   msg=lambda m: f"{where}: gradient of {name}: {m}")
+        worst = max(worst, (grad - expected[name]).abs().max().item())
+    return worst
+
+
+def three_d(pipeline: int, schedules: List[List[Any]], data: int = 1, tensor: int = 1,
+            shard: int = 1, data_parallel: str = "replicate", per_replica: int = 7,
+            chunks: int = 3, steps: int = 2, balance: Any = None) -> Dict:
+    """Pipeline x data x shard x tensor on one mesh: for every (schedule, virtual_stages,
+    checkpoint), ``steps`` optimizer steps whose loss and (gathered) gradients equal the plain
+    model's on the global batch (each replica reads its slice; uneven micro-batches), and
+    parameters that stay equal to the plain model's after each SGD step."""
+    mesh = init_mesh(pipeline=pipeline, data=data, tensor=tensor, shard=shard, timeout=60)
+    replicas, replica = mesh.replicas, mesh.replica
+    worst, shapes = 0.0, {}
+    for name, v, mode in schedules:
+        depth = max(8, 2 * pipeline * v)
+        plain = model(depth)
+        opt_ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+        pipe = DistributedPipe(model(depth), chunks=chunks, schedule=name, virtual_stages=v,
+                               checkpoint=mode, balance=balance, mesh=mesh,
+                               tensor_parallel=tp_plan(depth) if tensor > 1 else None,
+                               data_parallel=data_parallel, timeout=60)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        last = len(pipe.balance) - 1
+        for step in range(steps):
+            x, y = data_of(replicas * per_replica, seed=step)
+            ref_loss, ref = reference_grads(plain, x, y)
+            mine = slice(replica * per_replica, (replica + 1) * per_replica)
+            opt.zero_grad(set_to_none=True)
+            loss = pipe.train_step(x[mine] if 0 in pipe.stages else None,
+                                   y[mine] if last in pipe.stages else None,
+                                   nn.functional.mse_loss)
+            where = f"{name} v={v} {mode} step {step}"
+            torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{where}: loss {m}")
+            worst = max(worst, check_full_grads(pipe, ref, where))
+            opt.step()
+            opt_ref.step()
+            after = dict(plain.named_parameters())
+            for n, p in pipe.named_parameters():
+                torch.testing.assert_close(full(p.detach()), after[n].detach(), **TOL,
+                                           msg=lambda m: f"{where}: parameter {n}: {m}")
+        out = pipe(x[mine])  # forward only: the last stage's output, replicated over TP
+        if out is not None:
+            torch.testing.assert_close(out, plain(x[mine]).detach(), **TOL)
+        shapes[name] = sorted({str(tuple(getattr(p, "to_local", lambda: p)().shape))
+                               for p in pipe.parameters()})
+    return {"worst": worst, "coordinates": mesh.coordinates, "local_shapes": shapes}
+
+
+def data_of(batch: int, seed: int) -> tuple:
+    return data(batch, seed)
+
+
+CASES.update({f.__name__: f for f in (three_d,)})
+
 def main() -> None:
     case, args = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

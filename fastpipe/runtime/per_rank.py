@@ -45,7 +45,8 @@ class PerRankDriver(Driver):
     """Runs this rank's share of every step and keeps the ranks in agreement."""
 
     def __init__(self, topology: Topology, stages: Sequence[Any], skips: Dict[int, Any],
-                 data_group: Optional[Any], shared: Sequence[Any], timeout: float) -> None:
+                 data_group: Optional[Any], shared: Sequence[Any], timeout: float,
+                 sharded: Optional[Any] = None) -> None:
         self.topology = topology
         self.stages = list(stages)
         self.local = [k for k, owner in enumerate(topology.owner) if owner == topology.rank]
@@ -60,7 +61,10 @@ class PerRankDriver(Driver):
                                             skip_links(skips.values()))
         self.data_group = data_group
         self.replicas = 1 if data_group is None else dist.get_world_size(data_group)
-        self.grad_sync = GradSync(data_group, self.board, timeout) if self.replicas > 1 else None
+        # FSDP's per-step hooks (fastpipe.parallel.fsdp.ShardedStages): FSDP reduces gradients
+        self.sharded = sharded
+        self.grad_sync = (GradSync(data_group, self.board, timeout)
+                          if self.replicas > 1 and sharded is None else None)
         self.tied = TiedSync(shared, topology.owner, topology.group, topology.device, self.board,
                              timeout)
         self.steps = 0
@@ -146,12 +150,18 @@ class PerRankDriver(Driver):
         self.last_actions = (last_gradient_actions(schedule.actions[self.topology.stage],
                                                    schedule) if step.train else {})
         batchnorm.discard(local)
+        if self.sharded is not None:
+            self.sharded.prepare(step, schedule.actions[self.topology.stage], schedule)
         self.executor.run(programs, step, schedule)
+        if self.sharded is not None:
+            self.sharded.after_run(step)
         if step.train:  # no rank keeps a step another did not finish
             self.executor.confirm_step(self.timeout)
         batchnorm.commit(local)
 
     def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
+        if self.sharded is not None:
+            self.sharded.after_action(stage, action)
         if self.grad_sync is not None and action in self.last_actions:
             self.grad_sync.launch(stage.parameters(), f"stage {stage.index}")
 
