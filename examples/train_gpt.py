@@ -52,8 +52,9 @@ def main() -> None:
     dist.init_process_group("gloo")  # DistributedPipe sends CPU tensors over gloo
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = world // args.data_parallel
-    pipeline_group, data_group = init_mesh(pipeline=stages, data=args.data_parallel)
-    replica = rank // stages
+    mesh = init_mesh(pipeline=stages, data=args.data_parallel)
+    pipeline_group, data_group = mesh  # rank = stage * data_parallel + replica
+    replica = mesh.coordinate("data")
     with torch.device("meta"):
         model = gpt(vocab=64, dim=args.dim, heads=4, layers=args.layers, max_len=args.seq)
     torch.manual_seed(0)  # replicas of a stage materialise the same initial weights

@@ -1,0 +1,90 @@
+"""3-D parallelism (fastpipe.parallel) on gloo: processes started by the tests, each launch with a
+hard time limit. Every rank checks its loss, its gathered gradients and its parameters after
+SGD steps against the plain model on the global batch (fp32, rtol 1e-5), so a launch passes
+only if every rank is exact."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from dist_launch import assert_all_ok, launch
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def test_pipeline_2_x_tensor_2_every_kind_of_stage():
+    """Column/row-parallel pairs inside the stages: replicated and sharded activations at the
+    boundaries, skip connections across ranks, a weight tied across ranks (kept replicated)."""
+    results = assert_all_ok(launch("several", 4, limit=240, args={"cases": [
+        ["three_d", {"pipeline": 2, "tensor": 2, "schedules": [
+            ["gpipe", 1, "except_last"], ["1f1b", 1, "always"], ["zb-h1", 1, "never"],
+            ["dualpipev", 2, "except_last"], ["looped-bfs", 2, "never"]], "chunks": 4}],
+        ["three_d", {"pipeline": 2, "tensor": 2, "balance": [3, 5],
+                     "schedules": [["1f1b", 1, "never"]]}],
+        ["three_d", {"pipeline": 2, "tensor": 2, "kind": "skip",
+                     "schedules": [["1f1b", 1, "except_last"], ["zbv", 2, "never"]],
+                     "chunks": 4}],
+        ["three_d", {"pipeline": 2, "tensor": 2, "kind": "tied",
+                     "schedules": [["1f1b", 1, "except_last"]]}],
+    ]}))
+    for r in results:  # the last case is the tied one: its split layers hold half the rows
+        assert r["three_d"]["worst"] < 1e-5
+    shapes = results[0]["three_d"]["local_shapes"]["1f1b"]
+    assert "(4, 8)" in shapes and "(8, 8)" in shapes  # a split linear and the tied one
+
+
+def test_pipeline_2_x_fsdp_2_reduces_once_per_step():
+    results = assert_all_ok(launch("three_d", 4, limit=240, args={
+        "pipeline": 2, "shard": 2, "data_parallel": "fsdp", "chunks": 4, "schedules": [
+            ["gpipe", 1, "never"], ["1f1b", 1, "except_last"], ["interleaved", 2, "always"],
+            ["zbv", 2, "never"], ["zb-h1", 1, "except_last"]]}))
+    for r in results:
+        assert r["coordinates"]["shard"] in (0, 1)
+        for name, seen in r["fsdp"].items():
+            # one reduction per FSDP unit per step, not one per micro-batch (4 here)
+            assert seen["units"] > 0 and seen["reductions"] == [seen["units"]] * 2, (name, seen)
+        assert all(shape.startswith("(4,") or shape.startswith("(2,")
+                   for shape in r["local_shapes"]["1f1b"])  # half of each 8-row weight
+
+
+def test_pipeline_2_x_data_2_x_tensor_2_and_hybrid_sharding():
+    """8 processes: replicated data parallelism over tensor-parallel stages, then FSDP over
+    tensor-parallel stages (2-D parameters), then hybrid sharding (replicate x shard)."""
+    assert_all_ok(launch("several", 8, limit=300, args={"cases": [
+        ["three_d", {"pipeline": 2, "data": 2, "tensor": 2, "chunks": 4, "steps": 2,
+                     "schedules": [["interleaved", 2, "except_last"]]}],
+        ["three_d", {"pipeline": 2, "shard": 2, "tensor": 2, "data_parallel": "fsdp",
+                     "chunks": 4, "schedules": [["zbv", 2, "always"]]}],
+        ["three_d", {"pipeline": 2, "data": 2, "shard": 2, "data_parallel": "fsdp",
+                     "schedules": [["1f1b", 1, "except_last"]]}],
+    ]}))
+
+
+def test_checkpoints_move_between_3d_layouts_and_the_plain_model(tmp_path):
+    results = assert_all_ok(launch("three_d_checkpoint", 4, limit=240,
+                                   args={"path": str(tmp_path / "ckpt")}))
+    assert all(r["moved"] for r in results)
+    assert len(set().union(*(r["keys"] for r in results))) == 16  # plain names, every layer
+
+
+def test_bad_3d_arguments_are_typed_errors_before_any_work():
+    results = assert_all_ok(launch("three_d_errors", 4, limit=180))
+    expected = {"mesh_size": ("ValueError", "world"),
+                "not_a_mesh": ("TypeError", "init_mesh"),
+                "missing_submodule": ("ValueError", "'9.0'"),
+                "width": ("ValueError", "out_features=6"),
+                "pipedream_fsdp": ("NotImplementedError", "pipedream"),
+                "mesh_and_group": ("ValueError", "process_group"),
+                "no_plan": ("ValueError", "tensor_parallel"),
+                "shard_without_fsdp": ("ValueError", "data_parallel='fsdp'"),
+                "fsdp_tied": ("NotImplementedError", "tied"),
+                "tp_tied": ("NotImplementedError", "tied"),
+                "plan_without_mesh": ("ValueError", "mesh="),
+                "bad_mode": ("ValueError", "'replicate'")}
+    for r in results:
+        assert set(r) == set(expected)
+        for label, (error, words) in expected.items():
+            assert r[label]["error"] == error, (label, r[label])
+            assert words in r[label]["message"], (label, r[label])
+            assert r[label].get("untouched", True), (label, r[label])
