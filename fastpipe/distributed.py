@@ -164,6 +164,8 @@ class DistributedPipe(FrontDoor):
         object.__setattr__(self, "_stages", stages)
         self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
                                      layout.timeout, sharded=par.hooks())
+        par.wire(stages, owner, rank, layout.timeout)  # send-once TP boundaries, before skips
+        self.parallel = par
         skip_exchange.wire(stages, self._driver.skips)
         self._pipedream = (weight_versions.PipeDream(stages)
                            if self._schedule_name == "pipedream" else None)

@@ -896,7 +896,7 @@ def three_d(pipeline: int, schedules: List[List[Any]], data: int = 1, tensor: in
     mesh = init_mesh(pipeline=pipeline, data=data, tensor=tensor, shard=shard, timeout=60)
     replicas, replica = mesh.replicas, mesh.replica
     reductions = count_fsdp_reductions() if data_parallel == "fsdp" else [0]
-    worst, shapes, per_step = 0.0, {}, {}
+    worst, shapes, per_step, boundaries = 0.0, {}, {}, {}
     for name, v, mode in schedules:
         depth = max(8, 2 * pipeline * v)
         plain, _, width = KINDS[kind](depth, tensor)
@@ -939,8 +939,9 @@ def three_d(pipeline: int, schedules: List[List[Any]], data: int = 1, tensor: in
         shapes[name] = sorted({str(tuple(getattr(p, "to_local", lambda: p)().shape))
                                for p in pipe.parameters()})
         per_step[name] = {"reductions": counts, "units": units}
+        boundaries[name] = {str(k): b for k, b in pipe.parallel.report().items()}
     return {"worst": worst, "coordinates": mesh.coordinates, "local_shapes": shapes,
-            "fsdp": per_step}
+            "fsdp": per_step, "boundaries": boundaries}
 
 
 def three_d_checkpoint(path: str) -> Dict:
@@ -1051,7 +1052,13 @@ def three_d_errors() -> Dict:
     return out
 
 
-CASES.update({f.__name__: f for f in (three_d, three_d_checkpoint, three_d_errors)})
+def three_d_runs(runs: List[Dict[str, Any]]) -> Dict:
+    """Several three_d runs in the same processes, each result kept (in order)."""
+    return {"runs": [three_d(**args) for args in runs]}
+
+
+CASES.update({f.__name__: f for f in (three_d, three_d_runs, three_d_checkpoint,
+                                      three_d_errors)})
 
 def main() -> None:
     case, args = sys.argv[1], json.loads(sys.argv[2])

@@ -14,24 +14,31 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 def test_pipeline_2_x_tensor_2_every_kind_of_stage():
-    """Column/row-parallel pairs inside the stages: replicated and sharded activations at the
-    boundaries, skip connections across ranks, a weight tied across ranks (kept replicated)."""
-    results = assert_all_ok(launch("several", 4, limit=240, args={"cases": [
-        ["three_d", {"pipeline": 2, "tensor": 2, "schedules": [
+    """Column/row-parallel pairs inside the stages: replicated activations at the boundaries
+    (sent once per tensor-parallel group, in slices) and sharded ones (sent per rank), skip
+    connections across ranks, a weight tied across ranks (kept replicated)."""
+    results = assert_all_ok(launch("three_d_runs", 4, limit=240, args={"runs": [
+        {"pipeline": 2, "tensor": 2, "chunks": 4, "schedules": [
             ["gpipe", 1, "except_last"], ["1f1b", 1, "always"], ["zb-h1", 1, "never"],
-            ["dualpipev", 2, "except_last"], ["looped-bfs", 2, "never"]], "chunks": 4}],
-        ["three_d", {"pipeline": 2, "tensor": 2, "balance": [3, 5],
-                     "schedules": [["1f1b", 1, "never"]]}],
-        ["three_d", {"pipeline": 2, "tensor": 2, "kind": "skip",
-                     "schedules": [["1f1b", 1, "except_last"], ["zbv", 2, "never"]],
-                     "chunks": 4}],
-        ["three_d", {"pipeline": 2, "tensor": 2, "kind": "tied",
-                     "schedules": [["1f1b", 1, "except_last"]]}],
+            ["dualpipev", 2, "except_last"], ["looped-bfs", 2, "never"]]},
+        {"pipeline": 2, "tensor": 2, "balance": [3, 5], "schedules": [["1f1b", 1, "never"]]},
+        {"pipeline": 2, "tensor": 2, "kind": "skip", "chunks": 4,
+         "schedules": [["1f1b", 1, "except_last"], ["zbv", 2, "never"]]},
+        {"pipeline": 2, "tensor": 2, "kind": "tied", "schedules": [["1f1b", 1, "except_last"]]},
     ]}))
-    for r in results:  # the last case is the tied one: its split layers hold half the rows
-        assert r["three_d"]["worst"] < 1e-5
-    shapes = results[0]["three_d"]["local_shapes"]["1f1b"]
-    assert "(4, 8)" in shapes and "(8, 8)" in shapes  # a split linear and the tied one
+    for rank, r in enumerate(results):
+        even, sharded, skips, tied = r["runs"]
+        assert all(run["worst"] < 1e-5 for run in r["runs"])
+        if rank < 2:  # the first stage's ranks send activations
+            # after a row-parallel layer the output is replicated: half of it leaves each rank
+            for name in ("gpipe", "1f1b", "zb-h1"):
+                sent = even["boundaries"][name]["0"]
+                assert sent["replicated"] is True, (name, sent)
+                assert 2 * sent["elements_sent"] == sent["elements_whole"] > 0, (name, sent)
+            # balance [3, 5] cuts after a column-parallel layer: local shards, sent whole
+            assert sharded["boundaries"]["1f1b"]["0"]["replicated"] is False
+        assert "(4, 8)" in tied["local_shapes"]["1f1b"] or rank < 2
+        assert "(8, 8)" in tied["local_shapes"]["1f1b"]  # the tied weight, replicated
 
 
 def test_pipeline_2_x_fsdp_2_reduces_once_per_step():

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from . import fsdp, tensor
+from . import boundary, fsdp, tensor
 from .mesh import Mesh
 
 MODES = ("replicate", "fsdp")
@@ -31,6 +31,7 @@ class Parallel:
     plan: Optional[tensor.Plan] = None
     fsdp_mesh: Optional[Any] = None
     roots: Dict[int, nn.Module] = field(default_factory=dict)
+    boundaries: Dict[int, boundary.Boundary] = field(default_factory=dict)
 
     @property
     def sharded(self) -> bool:
@@ -49,6 +50,26 @@ class Parallel:
             fsdp.shard(stage_module, self.fsdp_mesh)
             self.roots[index] = stage_module
         return stage_module
+
+    def wire(self, stages: Sequence[Any], owner: Sequence[int], rank: int,
+             timeout: float) -> None:
+        """Send-once stage boundaries (``fastpipe.parallel.boundary``) for this rank's stages,
+        when stages are tensor-parallel: a stage scatters its output when the next stage is on
+        another rank; every stage gathers a scattered input. Call before wiring skips."""
+        if self.plan is None or self.mesh is None or self.mesh.size("tensor") == 1:
+            return
+        group = self.mesh.group("tensor")
+        for k, stage in enumerate(stages):
+            if owner[k] != rank:
+                continue
+            sends = k + 1 < len(owner) and owner[k + 1] != rank
+            stage.call = boundary.Boundary(stage.call, group, sends, timeout)
+            self.boundaries[k] = stage.call
+
+    def report(self) -> Dict[int, Dict[str, Any]]:
+        """Per local stage: whether its output was found replicated (and so sent in slices),
+        and the floats its forward messages held, against the whole outputs'."""
+        return {k: b.report() for k, b in self.boundaries.items()}
 
     def hooks(self) -> Optional[fsdp.ShardedStages]:
         """The driver's per-step hooks (FSDP's deferred reduction), if any."""
