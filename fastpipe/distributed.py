@@ -9,7 +9,9 @@ same IR drives both, only the transport differs (p2p sends and receives instead 
 
 Data parallelism composes: give each pipeline its ``process_group`` and each stage's replicas a
 ``data_parallel_group`` (``init_mesh(pipeline=P, data=D)`` builds both); gradients are then
-averaged across replicas, each stage's as soon as its last backward of the step ends.
+averaged across replicas, each stage's as soon as its last backward of the step ends. So do
+tensor parallelism and sharded data parallelism (FSDP2): ``mesh=init_mesh(pipeline=P, data=D,
+tensor=T, shard=S)``, ``tensor_parallel=plan``, ``data_parallel='fsdp'`` (``fastpipe.parallel``).
 """
 from __future__ import annotations
 
@@ -84,6 +86,21 @@ class DistributedPipe(FrontDoor):
             that initialises its own tensors (a Hugging Face model's ``_init_weights``); each
             rank gives memory only to what its stages use (``fastpipe.materialise``). Default:
             each submodule's ``reset_parameters()``.
+        mesh: a ``fastpipe.init_mesh(pipeline=P, data=D, tensor=T, shard=S)`` grid: the
+            pipeline group, the data-parallel groups and the tensor-parallel group come from it
+            (instead of ``process_group`` / ``data_parallel_group``, which it excludes). The
+            loss is averaged over the ``data x shard`` ranks (each reads its slice of the
+            global batch, ``mesh.replica``); the ``T`` ranks of a stage read the same inputs.
+        tensor_parallel: with ``mesh`` of ``tensor > 1``: a ``parallelize_module`` plan (plain
+            submodule names, or patterns, to ``ColwiseParallel()`` / ``RowwiseParallel()`` /
+            ...) or a function ``(stage_module, tp_mesh) -> None``
+            (``fastpipe.parallel.tensor``). Parameters become ``DTensor`` s; a replicated
+            activation crosses a stage boundary once per tensor-parallel group
+            (``fastpipe.parallel.boundary``).
+        data_parallel: ``'replicate'`` (gradients all-reduced over ``data``, the default) or
+            ``'fsdp'``: every stage sharded with FSDP2 over ``shard`` (or ``data``; over both,
+            hybrid), gradients reduced once per step after the stage's last backward
+            (``fastpipe.parallel.fsdp``). Not with ``schedule='pipedream'`` or tied weights.
     """
 
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",

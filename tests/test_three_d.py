@@ -4,10 +4,12 @@ SGD steps against the plain model on the global batch (fp32, rtol 1e-5), so a la
 only if every rank is exact."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 
-from dist_launch import assert_all_ok, launch
+from dist_launch import assert_all_ok, launch, torchrun
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -95,3 +97,15 @@ def test_bad_3d_arguments_are_typed_errors_before_any_work():
             assert r[label]["error"] == error, (label, r[label])
             assert words in r[label]["message"], (label, r[label])
             assert r[label].get("untouched", True), (label, r[label])
+
+
+@pytest.mark.parametrize("argv", [["--tensor", "2"], ["--tensor", "1", "--schedule", "zb-h1"]])
+def test_torchrun_runs_the_3d_example(argv):
+    """examples/train_gpt_3d.py on 4 ranks: pipeline 2 x tensor 2, and pipeline 2 x FSDP 2."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = torchrun(os.path.join(root, "examples", "train_gpt_3d.py"),
+                   ["--steps", "3", "--batch", "8", "--timeout", "60", *argv], cwd=root,
+                   nproc=4, limit=180)
+    assert "median step" in out and "loss nan" not in out
+    shard = "shard=2" if argv[1] == "1" else "shard=1"
+    assert shard in out and f"tensor={argv[1]}" in out

@@ -5,6 +5,8 @@
 - ``tensor``: tensor parallelism with DTensor (``parallelize_module`` plans applied per stage).
 - ``fsdp``: sharded data parallelism with FSDP2 (``fully_shard`` per layer and per stage),
   gradients reduced once per step.
+- ``boundary``: a replicated activation crosses a stage boundary once per tensor-parallel
+  group (each rank sends a slice, the receivers all-gather), its gradient likewise.
 - ``checkpoint``: plain-model state dicts loaded into sharded (DTensor) parameters.
 - ``setup``: the checked combination of the above for one pipe (what ``DistributedPipe`` calls).
 

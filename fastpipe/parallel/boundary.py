@@ -14,7 +14,9 @@ Whether a stage's output is replicated is measured, not assumed: on the stage's 
 group compares a fingerprint of the output (its size, its sum and a weighted sum, in float64)
 with one all-reduce; only if every rank holds the same value does the stage scatter, from then
 on. A sharded output (after a ``ColwiseParallel`` layer) is sent as each rank's local shard,
-per rank, as before; so is any output that is not a single floating-point tensor.
+per rank, as before; so is any output that is not a single floating-point tensor. A
+``DTensor`` output (a style with ``use_local_output=False``) is sent as its local tensor: the
+next stage's plan must say how to read it (``input_layouts``).
 """
 from __future__ import annotations
 
@@ -53,8 +55,11 @@ class Boundary:
         if isinstance(inputs, Scattered):
             inputs = _Gather.apply(inputs.chunk, tuple(inputs.shape), self)
         output = self.inner(inputs)
-        if not self.sends or not isinstance(output, torch.Tensor) or \
-                not output.is_floating_point():
+        if not self.sends:
+            return output
+        if hasattr(output, "to_local") and hasattr(output, "placements"):  # a DTensor
+            output = output.to_local()  # the next stage's plan says how to read it
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return output
         if self.replicated is None:
             self.replicated = self._is_replicated(output)

@@ -90,10 +90,11 @@ def _check_dim(dim: str) -> None:
 
 
 def init_mesh(pipeline: int, data: int = 1, tensor: int = 1, shard: int = 1,
-              device_type: str = "cpu", timeout: Optional[float] = None) -> Mesh:
+              device_type: str = "cpu", timeout: Optional[float] = 300.0) -> Mesh:
     """The (pipeline, data, shard, tensor) grid over the whole world; see the module docstring
-    for which rank sits where. ``timeout`` (seconds, default: the process group's) bounds every
-    collective of the grid's groups (DTensor's and FSDP's are blocking calls)."""
+    for which rank sits where. ``timeout``: seconds any collective of the grid's gloo groups
+    may wait (DTensor's and FSDP's collectives block; a rank whose tensor-parallel peer failed
+    stops after this long at most); ``None``: the process group's default."""
     sizes = {"pipeline": pipeline, "data": data, "shard": shard, "tensor": tensor}
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -105,11 +106,12 @@ def init_mesh(pipeline: int, data: int = 1, tensor: int = 1, shard: int = 1,
                          f"world has {world}; make the product equal the world size")
     from torch.distributed.device_mesh import init_device_mesh
     override = None
-    if timeout is not None:
+    if timeout is not None and device_type == "cpu":
         override = {d: _options(timeout) for d in DIMS}
     device_mesh = init_device_mesh(device_type, (pipeline, data, shard, tensor),
                                    mesh_dim_names=DIMS, backend_override=override)
-    return Mesh(device_mesh, _batch_group(device_mesh, pipeline, data, shard, tensor, timeout))
+    return Mesh(device_mesh, _batch_group(device_mesh, pipeline, data, shard, tensor, timeout,
+                                          device_type))
 
 
 def _options(timeout: float) -> Tuple[str, Any]:
@@ -119,7 +121,7 @@ def _options(timeout: float) -> Tuple[str, Any]:
 
 
 def _batch_group(device_mesh: Any, pipeline: int, data: int, shard: int, tensor: int,
-                 timeout: Optional[float]) -> Any:
+                 timeout: Optional[float], device_type: str) -> Any:
     """The data x shard group of this rank: one dimension's group when the other is 1, else a
     new group per (pipeline, tensor) pair (every rank creates them all, in the same order)."""
     if shard == 1:
@@ -128,7 +130,8 @@ def _batch_group(device_mesh: Any, pipeline: int, data: int, shard: int, tensor:
         return device_mesh.get_group("shard")
     grid = device_mesh.mesh  # (pipeline, data, shard, tensor) -> rank
     mine = None
-    kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    kwargs = ({} if timeout is None or device_type != "cpu"
+              else {"timeout": datetime.timedelta(seconds=timeout)})
     for p, t in itertools.product(range(pipeline), range(tensor)):
         ranks = grid[p, :, :, t].flatten().tolist()
         group = dist.new_group(ranks, **kwargs)

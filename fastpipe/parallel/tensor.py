@@ -11,12 +11,10 @@ work (:func:`check_plan`).
 
 Stage boundaries: with the default styles (``use_local_output=True``) a stage's output is a plain
 tensor, replicated across the tensor-parallel group after a ``RowwiseParallel`` layer, or this
-rank's shard after a ``ColwiseParallel`` one; the pipeline sends it as it is, from each
-tensor-parallel rank to the same tensor-parallel rank of the next stage (the pipeline group of a
-rank joins the ranks with its tensor coordinate). A replicated activation therefore crosses
-each stage boundary ``T`` times (once per tensor-parallel rank), not once per group: the
-scatter/gather optimisation of Megatron-LM is not done. A ``DTensor`` output is sent as its
-local tensor.
+rank's shard after a ``ColwiseParallel`` one. The pipeline group of a rank joins the ranks with
+its tensor coordinate, so each tensor-parallel rank exchanges messages with the same
+tensor-parallel rank of the neighbouring stages; a replicated output crosses the boundary once
+per group, in slices (``fastpipe.parallel.boundary``), a sharded one as each rank's shard.
 """
 from __future__ import annotations
 
