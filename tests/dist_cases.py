@@ -1052,13 +1052,54 @@ def three_d_errors() -> Dict:
     return out
 
 
+def three_d_pipedream(steps: int = 2) -> Dict:
+    """schedule='pipedream' on pipeline 2 x tensor 2: after every call the gathered parameters
+    equal those of the one-process Pipe running PipeDream."""
+    mesh = init_mesh(pipeline=2, tensor=2, timeout=60)
+    local = fastpipe.Pipe(model(), chunks=4, balance=[4, 4], devices=["cpu", "cpu"],
+                          schedule="pipedream")
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
+    pipe = DistributedPipe(model(), chunks=4, balance=[4, 4], schedule="pipedream", mesh=mesh,
+                           tensor_parallel=tp_plan(8), timeout=60)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x, y = data(8, seed=step)
+        expected = local.train_step(x, y, nn.functional.mse_loss, optimizer=local_opt)
+        loss = pipe.train_step(x, y, nn.functional.mse_loss, optimizer=opt)
+        torch.testing.assert_close(loss, expected, **TOL)
+        after = dict(local.named_parameters())
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(full(p.detach()), after[name].detach(), **TOL,
+                                       msg=lambda m: f"pipedream step {step}, {name}: {m}")
+    return {"ok": True}
+
+
+def three_d_token_mean(tensor: int = 1, shard: int = 1) -> Dict:
+    """(loss_sum, count) losses on a mesh: counts differ between the batch slices; the loss
+    and the gathered gradients are the plain model's mean over every counted position."""
+    mesh = init_mesh(pipeline=2, tensor=tensor, shard=shard, timeout=60)
+    plain = model()
+    x, targets = padded(12)
+    ref_loss = token_mean_of(plain, x, targets)
+    ref_loss.backward()
+    pipe = DistributedPipe(model(), chunks=3, mesh=mesh,
+                           tensor_parallel=tp_plan(8) if tensor > 1 else None,
+                           data_parallel="fsdp" if shard > 1 else "replicate", timeout=60)
+    part = 12 // mesh.replicas
+    mine = slice(mesh.replica * part, (mesh.replica + 1) * part)
+    loss = pipe.train_step(x[mine], (targets[0][mine], targets[1][mine]), token_loss)
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    check_full_grads(pipe, {n: p.grad for n, p in plain.named_parameters()}, "token mean")
+    return {"ok": True}
+
+
 def three_d_runs(runs: List[Dict[str, Any]]) -> Dict:
     """Several three_d runs in the same processes, each result kept (in order)."""
     return {"runs": [three_d(**args) for args in runs]}
 
 
 CASES.update({f.__name__: f for f in (three_d, three_d_runs, three_d_checkpoint,
-                                      three_d_errors)})
+                                      three_d_errors, three_d_pipedream, three_d_token_mean)})
 
 def main() -> None:
     case, args = sys.argv[1], json.loads(sys.argv[2])

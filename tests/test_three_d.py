@@ -19,16 +19,21 @@ def test_pipeline_2_x_tensor_2_every_kind_of_stage():
     """Column/row-parallel pairs inside the stages: replicated activations at the boundaries
     (sent once per tensor-parallel group, in slices) and sharded ones (sent per rank), skip
     connections across ranks, a weight tied across ranks (kept replicated)."""
-    results = assert_all_ok(launch("three_d_runs", 4, limit=240, args={"runs": [
-        {"pipeline": 2, "tensor": 2, "chunks": 4, "schedules": [
-            ["gpipe", 1, "except_last"], ["1f1b", 1, "always"], ["zb-h1", 1, "never"],
-            ["dualpipev", 2, "except_last"], ["looped-bfs", 2, "never"]]},
-        {"pipeline": 2, "tensor": 2, "balance": [3, 5], "schedules": [["1f1b", 1, "never"]]},
-        {"pipeline": 2, "tensor": 2, "kind": "skip", "chunks": 4,
-         "schedules": [["1f1b", 1, "except_last"], ["zbv", 2, "never"]]},
-        {"pipeline": 2, "tensor": 2, "kind": "tied", "schedules": [["1f1b", 1, "except_last"]]},
+    results = assert_all_ok(launch("several", 4, limit=240, args={"cases": [
+        ["three_d_runs", {"runs": [
+            {"pipeline": 2, "tensor": 2, "chunks": 4, "schedules": [
+                ["gpipe", 1, "except_last"], ["1f1b", 1, "always"], ["zb-h1", 1, "never"],
+                ["dualpipev", 2, "except_last"], ["looped-bfs", 2, "never"]]},
+            {"pipeline": 2, "tensor": 2, "balance": [3, 5],
+             "schedules": [["1f1b", 1, "never"]]},
+            {"pipeline": 2, "tensor": 2, "kind": "skip", "chunks": 4,
+             "schedules": [["1f1b", 1, "except_last"], ["zbv", 2, "never"]]},
+            {"pipeline": 2, "tensor": 2, "kind": "tied",
+             "schedules": [["1f1b", 1, "except_last"]]}]}],
+        ["three_d_pipedream", {}],
+        ["three_d_token_mean", {"tensor": 2}],
     ]}))
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(r["three_d_runs"] for r in results):
         even, sharded, skips, tied = r["runs"]
         assert all(run["worst"] < 1e-5 for run in r["runs"])
         if rank < 2:  # the first stage's ranks send activations
@@ -44,11 +49,13 @@ def test_pipeline_2_x_tensor_2_every_kind_of_stage():
 
 
 def test_pipeline_2_x_fsdp_2_reduces_once_per_step():
-    results = assert_all_ok(launch("three_d", 4, limit=240, args={
-        "pipeline": 2, "shard": 2, "data_parallel": "fsdp", "chunks": 4, "schedules": [
-            ["gpipe", 1, "never"], ["1f1b", 1, "except_last"], ["interleaved", 2, "always"],
-            ["zbv", 2, "never"], ["zb-h1", 1, "except_last"]]}))
-    for r in results:
+    results = assert_all_ok(launch("several", 4, limit=240, args={"cases": [
+        ["three_d", {"pipeline": 2, "shard": 2, "data_parallel": "fsdp", "chunks": 4,
+                     "schedules": [["gpipe", 1, "never"], ["1f1b", 1, "except_last"],
+                                   ["interleaved", 2, "always"], ["zbv", 2, "never"],
+                                   ["zb-h1", 1, "except_last"]]}],
+        ["three_d_token_mean", {"shard": 2}]]}))
+    for r in (r["three_d"] for r in results):
         assert r["coordinates"]["shard"] in (0, 1)
         for name, seen in r["fsdp"].items():
             # one reduction per FSDP unit per step, not one per micro-batch (4 here)
