@@ -14,3 +14,6 @@ The engines are PyTorch's own (DTensor, FSDP2, ``torch.distributed.checkpoint``)
 only decides which ranks and which submodules they apply to, checks the arguments before any
 work, and tells the pipeline driver when a stage's gradients may be reduced.
 """
+from .mesh import DIMS, Mesh, init_mesh
+
+__all__ = ["DIMS", "Mesh", "init_mesh"]
