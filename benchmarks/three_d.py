@@ -6,7 +6,9 @@ processes of one thread each, one launch per layout:
 
 * pipeline 4 (1F1B), data 4 (one stage, gradients all-reduced), pipeline 2 x tensor 2 (each
   block's first linear column-parallel, second row-parallel), pipeline 2 x data 2,
-  pipeline 2 x FSDP 2 and FSDP 4 (``data_parallel='fsdp'``, one stage).
+  pipeline 2 x FSDP 2 (fastpipe's policy: parameters gathered for the whole step, gradients
+  reduced once; and, for comparison, FSDP2's own: reshard after every forward and backward,
+  reduce every micro-batch) and FSDP 4 (``data_parallel='fsdp'``, one stage).
 
 Per layout: the median step time (the slowest rank's, after a barrier; 2 warm-up steps), each
 rank's peak resident memory (``ru_maxrss``) and the bytes of the state it keeps between steps
@@ -46,6 +48,7 @@ LAYOUTS = {  # name: (init_mesh sizes, data_parallel, tensor-parallel plan)
     "pipeline 2 x tensor 2": (dict(pipeline=2, tensor=2), "replicate", True),
     "pipeline 2 x data 2": (dict(pipeline=2, data=2), "replicate", False),
     "pipeline 2 x FSDP 2": (dict(pipeline=2, shard=2), "fsdp", False),
+    "pipeline 2 x FSDP 2, FSDP2's own policy": (dict(pipeline=2, shard=2), "fsdp", False),
     "FSDP 4": (dict(pipeline=1, shard=4), "fsdp", False),
 }
 
@@ -80,6 +83,8 @@ def worker() -> None:
                                     schedule="1f1b", checkpoint="never", mesh=mesh,
                                     tensor_parallel=plan() if tensor_parallel else None,
                                     data_parallel=mode, timeout=600)
+    if "own policy" in name:  # reshard after every forward, reduce every micro-batch
+        pipe.parallel.sharded_stages.set_keep_gathered(False)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)

@@ -887,7 +887,8 @@ def count_fsdp_reductions() -> List[int]:
 
 def three_d(pipeline: int, schedules: List[List[Any]], data: int = 1, tensor: int = 1,
             shard: int = 1, data_parallel: str = "replicate", per_replica: int = 7,
-            chunks: int = 3, steps: int = 2, balance: Any = None, kind: str = "mlp") -> Dict:
+            chunks: int = 3, steps: int = 2, balance: Any = None, kind: str = "mlp",
+            keep_gathered: bool = True) -> Dict:
     """Pipeline x data x shard x tensor on one mesh: for every (schedule, virtual_stages,
     checkpoint), ``steps`` optimizer steps whose loss and (gathered) gradients equal the plain
     model's on the global batch (each replica reads its slice; uneven micro-batches), and
@@ -905,6 +906,8 @@ def three_d(pipeline: int, schedules: List[List[Any]], data: int = 1, tensor: in
         pipe = DistributedPipe(source, chunks=chunks, schedule=name, virtual_stages=v,
                                checkpoint=mode, balance=balance, mesh=mesh, tensor_parallel=plan,
                                data_parallel=data_parallel, timeout=60)
+        if not keep_gathered:  # FSDP2's own policy: reshard and reduce every micro-batch
+            pipe.parallel.sharded_stages.set_keep_gathered(False)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         last = len(pipe.balance) - 1
         units = sum(1 for m in pipe.module.modules() if type(m).__name__.startswith("FSDP"))

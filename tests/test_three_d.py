@@ -49,13 +49,18 @@ def test_pipeline_2_x_tensor_2_every_kind_of_stage():
 
 
 def test_pipeline_2_x_fsdp_2_reduces_once_per_step():
+    fsdp = {"pipeline": 2, "shard": 2, "data_parallel": "fsdp", "chunks": 4}
     results = assert_all_ok(launch("several", 4, limit=240, args={"cases": [
-        ["three_d", {"pipeline": 2, "shard": 2, "data_parallel": "fsdp", "chunks": 4,
-                     "schedules": [["gpipe", 1, "never"], ["1f1b", 1, "except_last"],
-                                   ["interleaved", 2, "always"], ["zbv", 2, "never"],
-                                   ["zb-h1", 1, "except_last"]]}],
+        ["three_d_runs", {"runs": [
+            dict(fsdp, schedules=[["gpipe", 1, "never"], ["1f1b", 1, "except_last"],
+                                  ["interleaved", 2, "always"], ["zbv", 2, "never"],
+                                  ["zb-h1", 1, "except_last"]]),
+            dict(fsdp, keep_gathered=False, schedules=[["1f1b", 1, "except_last"]])]}],
         ["three_d_token_mean", {"shard": 2}]]}))
-    for r in (r["three_d"] for r in results):
+    for r in results:  # FSDP2's own policy (for comparison): a reduction per micro-batch
+        seen = r["three_d_runs"]["runs"][1]["fsdp"]["1f1b"]
+        assert seen["reductions"] == [seen["units"] * 4] * 2, seen
+    for r in (r["three_d_runs"]["runs"][0] for r in results):
         assert r["coordinates"]["shard"] in (0, 1)
         for name, seen in r["fsdp"].items():
             # one reduction per FSDP unit per step, not one per micro-batch (4 here)

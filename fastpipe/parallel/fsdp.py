@@ -58,9 +58,23 @@ class ShardedStages:
 
     def __init__(self, roots: Dict[int, nn.Module]) -> None:
         self.roots = roots  # virtual stage -> its fully_shard-ed module
+        self.keep_gathered = True
         self._trigger: Dict[Action, int] = {}
         self._handlers = dict(HANDLERS)
         self._handlers[ActionKind.WEIGHT] = _fused_weight
+
+    def set_keep_gathered(self, keep: bool) -> None:
+        """``True`` (the default): the policy above. ``False``: FSDP2's own defaults, for
+        comparison (``benchmarks/three_d.py``): every unit reshards after each forward and
+        each backward, and reduces its gradients after every micro-batch's backward (less
+        memory held during the step, ``2 x chunks`` all-gathers and ``chunks`` reductions per
+        unit and step)."""
+        from torch.distributed.fsdp import FSDPModule
+        self.keep_gathered = keep
+        for root in self.roots.values():
+            for unit in root.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_reshard_after_forward(not keep, recurse=False)
 
     def prepare(self, step: StepState, program: Sequence[Action], schedule: Schedule) -> None:
         """Before a step: B computes the weight gradients (W does nothing); every stage that
@@ -77,7 +91,7 @@ class ShardedStages:
         self._trigger = {actions[-2]: v for v, actions in backwards.items()
                          if len(actions) > 1 and v in self.roots}
         for v, root in self.roots.items():
-            self._final(root, len(backwards.get(v, ())) <= 1)
+            self._final(root, len(backwards.get(v, ())) <= 1 or not self.keep_gathered)
 
     def after_action(self, stage: Any, action: Action) -> None:
         v = self._trigger.get(action)

@@ -32,6 +32,7 @@ class Parallel:
     fsdp_mesh: Optional[Any] = None
     roots: Dict[int, nn.Module] = field(default_factory=dict)
     boundaries: Dict[int, boundary.Boundary] = field(default_factory=dict)
+    sharded_stages: Optional[fsdp.ShardedStages] = None
 
     @property
     def sharded(self) -> bool:
@@ -72,8 +73,12 @@ class Parallel:
         return {k: b.report() for k, b in self.boundaries.items()}
 
     def hooks(self) -> Optional[fsdp.ShardedStages]:
-        """The driver's per-step hooks (FSDP's deferred reduction), if any."""
-        return fsdp.ShardedStages(self.roots) if self.sharded else None
+        """The driver's per-step hooks (FSDP's deferred reduction), if any; also kept as
+        ``self.sharded_stages`` (``pipe.parallel.sharded_stages.set_keep_gathered(False)``
+        switches to FSDP2's own per-micro-batch policy)."""
+        if self.sharded and self.sharded_stages is None:
+            self.sharded_stages = fsdp.ShardedStages(self.roots)
+        return self.sharded_stages
 
 
 def resolve(module: Any, *, mesh: Optional[Any], process_group: Optional[Any],
