@@ -192,11 +192,11 @@ def predict(costs: Dict[int, Dict[str, float]], scale: float) -> List[List[Any]]
             dp = ring(grads, data, NET_BANDWIDTH, NET_LATENCY)  # not overlapped (conservative)
             step = result.makespan + dp
             memory = per_stage * params_per_block / tensor * 16 / 2 ** 30  # fp32 + grad + Adam
-            rows.append([pipeline, data, tensor, m, f"{result.bubble_fraction:.2f}",
-                         f"{dp:.3f}", f"{step:.3f}",
-                         f"{SIM_MICROBATCHES * TOKENS / step / 1e6:.2f}", f"{memory:.2f}"])
-    rows.sort(key=lambda r: -float(r[7]))
-    return rows
+            rate = SIM_MICROBATCHES * TOKENS / step
+            rows.append([rate, pipeline, data, tensor, m, f"{result.bubble_fraction:.2f}",
+                         f"{dp:.3f}", f"{step:.3f}", f"{rate / 1e3:.4g}", f"{memory:.2f}"])
+    rows.sort(key=lambda r: -r[0])  # by throughput, the unrounded value
+    return [r[1:] for r in rows]
 
 
 def main() -> None:
@@ -228,7 +228,7 @@ def main() -> None:
           f"(inside a node, T <= 8), pipeline and data {NET_BANDWIDTH / 1e9:.0f} GB/s; the "
           f"data-parallel all-reduce is not overlapped")
     header = ["P", "D", "T", "micro-batches / pipeline", "bubble", "DP all-reduce s", "step s",
-              "M tokens/s", "state GB / GPU"]
+              "k tokens/s", "state GB / GPU"]
     for scale, label in ((1.0, "compute as measured on this CPU"),
                          (100.0, "compute 100x faster (assumed, a GPU)")):
         print(f"\n{label}, top 12 layouts by throughput:")
