@@ -75,6 +75,7 @@ bench: install
 	$(PY) benchmarks/schedules.py --png benchmarks/schedules.png
 	$(PY) benchmarks/simulator_scale.py
 	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/three_d.py
 	$(PY) benchmarks/ops.py
 	$(PY) benchmarks/transfer.py
 	$(PY) benchmarks/offload.py

@@ -56,9 +56,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = world // args.data_parallel
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    pipeline_group, data_group = init_mesh(pipeline=stages, data=args.data_parallel,
-                                           device_type=device_type)
-    replica = rank // stages
+    mesh = init_mesh(pipeline=stages, data=args.data_parallel, device_type=device_type)
+    pipeline_group, data_group = mesh  # rank = stage * data_parallel + replica
+    replica = mesh.coordinate("data")
     with torch.device("meta"):
         model = gpt(vocab=64, dim=args.dim, heads=4, layers=args.layers, max_len=args.seq)
     torch.manual_seed(0)  # replicas of a stage materialise the same initial weights

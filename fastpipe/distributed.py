@@ -9,7 +9,9 @@ same IR drives both, only the transport differs (p2p sends and receives instead 
 
 Data parallelism composes: give each pipeline its ``process_group`` and each stage's replicas a
 ``data_parallel_group`` (``init_mesh(pipeline=P, data=D)`` builds both); gradients are then
-averaged across replicas, each stage's as soon as its last backward of the step ends.
+averaged across replicas, each stage's as soon as its last backward of the step ends. So do
+tensor parallelism and sharded data parallelism (FSDP2): ``mesh=init_mesh(pipeline=P, data=D,
+tensor=T, shard=S)``, ``tensor_parallel=plan``, ``data_parallel='fsdp'`` (``fastpipe.parallel``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from . import materialise, tracing
 from .policies import tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
+from .parallel import checkpoint as sharded_state, setup as parallel_setup
+from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
 from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
 from .runtime import backends, weight_versions
 from .runtime.dist_executor import Topology
@@ -90,6 +94,21 @@ class DistributedPipe(FrontDoor):
             that initialises its own tensors (a Hugging Face model's ``_init_weights``); each
             rank gives memory only to what its stages use (``fastpipe.materialise``). Default:
             each submodule's ``reset_parameters()``.
+        mesh: a ``fastpipe.init_mesh(pipeline=P, data=D, tensor=T, shard=S)`` grid: the
+            pipeline group, the data-parallel groups and the tensor-parallel group come from it
+            (instead of ``process_group`` / ``data_parallel_group``, which it excludes). The
+            loss is averaged over the ``data x shard`` ranks (each reads its slice of the
+            global batch, ``mesh.replica``); the ``T`` ranks of a stage read the same inputs.
+        tensor_parallel: with ``mesh`` of ``tensor > 1``: a ``parallelize_module`` plan (plain
+            submodule names, or patterns, to ``ColwiseParallel()`` / ``RowwiseParallel()`` /
+            ...) or a function ``(stage_module, tp_mesh) -> None``
+            (``fastpipe.parallel.tensor``). Parameters become ``DTensor`` s; a replicated
+            activation crosses a stage boundary once per tensor-parallel group
+            (``fastpipe.parallel.boundary``).
+        data_parallel: ``'replicate'`` (gradients all-reduced over ``data``, the default) or
+            ``'fsdp'``: every stage sharded with FSDP2 over ``shard`` (or ``data``; over both,
+            hybrid), gradients reduced once per step after the stage's last backward
+            (``fastpipe.parallel.fsdp``). Not with ``schedule='pipedream'`` or tied weights.
     """
 
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
@@ -100,7 +119,10 @@ class DistributedPipe(FrontDoor):
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
                  tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
                  example_inputs: Optional[Any] = None,
-                 init_weights: Optional[Callable[[nn.Module], Any]] = None) -> None:
+                 init_weights: Optional[Callable[[nn.Module], Any]] = None,
+                 mesh: Optional[Mesh] = None,
+                 tensor_parallel: Optional[parallel_setup.tensor.Plan] = None,
+                 data_parallel: str = "replicate") -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
@@ -110,6 +132,12 @@ class DistributedPipe(FrontDoor):
         process_group = backends.as_group(process_group, "process_group")
         data_parallel_group = backends.as_group(data_parallel_group, "data_parallel_group")
         traced = module if tracing.wanted(module, split_points) else None
+        par = parallel_setup.resolve(  # 3-D layouts (fastpipe.parallel), checked before any work
+            module, mesh=mesh, process_group=process_group,
+            data_parallel_group=data_parallel_group, tensor_parallel=tensor_parallel,
+            data_parallel=data_parallel, schedule=schedule, traced=traced is not None, tied=tied)
+        process_group, data_parallel_group = par.pipeline_group, par.data_group
+        self.mesh = mesh
         if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
             group = process_group if process_group is not None else dist.group.WORLD
             count = dist.get_world_size(group) * resolve_virtual_stages(virtual_stages, schedule)
@@ -155,7 +183,8 @@ class DistributedPipe(FrontDoor):
             part = OrderedDict((keys[i], _materialise(layers[i], self._device, init))
                                for i in range(starts[k], starts[k + 1]))
             kept.update(part)
-            stages.append(Stage(k, nn.Sequential(part), self._device,
+            stage_module = par.apply(k, nn.Sequential(part))  # TP, FSDP (if any) in place
+            stages.append(Stage(k, stage_module, self._device,
                                 deferred_batch_norm=layout.deferred_batch_norm))
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
@@ -163,7 +192,9 @@ class DistributedPipe(FrontDoor):
             self.module = tracing.local_view(traced, self.module)
         object.__setattr__(self, "_stages", stages)
         self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
-                                     layout.timeout, self._p2p)
+                                     layout.timeout, self._p2p, sharded=par.hooks())
+        par.wire(stages, owner, rank, layout.timeout)  # send-once TP boundaries, before skips
+        self.parallel = par
         skip_exchange.wire(stages, self._driver.skips)
         self._pipedream = (weight_versions.PipeDream(stages)
                            if self._schedule_name == "pipedream" else None)
@@ -202,6 +233,8 @@ class DistributedPipe(FrontDoor):
             raise RuntimeError(f"the state dict lacks {len(missing)} entries of the layers on rank "
                                f"{self._driver.topology.rank}, e.g. {missing[:3]}; save it from "
                                f"the plain model or gather every rank's state_dict()")
+        if sharded_state.has_dtensors(self.module):  # TP / FSDP shards: cut or redistributed
+            return sharded_state.load(self.module, mine, strict=False)
         return self.module.load_state_dict(mine, strict=False, assign=assign)
 
     def __repr__(self) -> str:
@@ -290,13 +323,3 @@ def _materialise(layer: Any, device: torch.device, init_weights: Any) -> nn.Modu
     return layer.to(device)
 
 
-def init_mesh(pipeline: int, data: int = 1, device_type: str = "cpu") -> Tuple[Any, Any]:
-    """Split the world into ``data`` pipelines of ``pipeline`` ranks: returns this rank's
-    (pipeline group, data-parallel group). Rank ``r`` is stage ``r % pipeline`` of pipeline
-    ``r // pipeline``; the data group joins the same stage of every pipeline."""
-    world = dist.get_world_size()
-    if pipeline < 1 or data < 1 or pipeline * data != world:
-        raise ValueError(f"pipeline={pipeline} x data={data} must equal the world size {world}")
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device_type, (data, pipeline), mesh_dim_names=("data", "pipeline"))
-    return mesh.get_group("pipeline"), mesh.get_group("data")

@@ -145,6 +145,7 @@ LAYERS = [
      "fastpipe.tracing", "fastpipe.materialise", "fastpipe.memory"),
     ("fastpipe.policies",),
     ("fastpipe.runtime", "fastpipe.skip"),
+    ("fastpipe.parallel",),
     ("fastpipe.frontdoor",),
     ("fastpipe.pipe", "fastpipe.distributed", "fastpipe.compat"),
     ("fastpipe.diagnosis",),

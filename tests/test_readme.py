@@ -32,7 +32,9 @@ def test_readme_snippet_runs(index, tmp_path, monkeypatch):
 def _torchrun(code, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(code)
-    torchrun(str(script), [], cwd=str(tmp_path))
+    ranks = re.search(r"--nproc_per_node=(\d+)", code)  # as the snippet says to run it
+    torchrun(str(script), [], cwd=str(tmp_path), nproc=int(ranks.group(1)) if ranks else 2,
+             limit=180.0)
 
 
 COMMANDS = sorted(set(re.findall(r"python -m fastpipe ((?:schedule|simulate)[^`\[]*)",

@@ -36,6 +36,16 @@ def buckets(grads: Sequence[torch.Tensor], limit: int = BUCKET_BYTES) -> List[Li
     return out
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (a tensor-parallel ``DTensor``'s local shard, whose
+    storage it shares), reduced over the data-parallel group like any other tensor."""
+    to_local = getattr(grad, "to_local", None)
+    if to_local is None:
+        return grad
+    with torch.no_grad():
+        return to_local()
+
+
 class GradSync:
     """Averages stage gradients over a data-parallel group."""
 
@@ -48,7 +58,7 @@ class GradSync:
 
     def launch(self, parameters: Sequence[torch.nn.Parameter], what: str) -> None:
         """Start averaging the gradients of ``parameters`` (those that have one)."""
-        grads = [p.grad for p in parameters if p.grad is not None]
+        grads = [_local(p.grad) for p in parameters if p.grad is not None]
         for bucket in buckets(grads):
             flat = _flatten_dense_tensors(bucket)
             work = dist.all_reduce(flat, group=self.group, async_op=True)

@@ -48,7 +48,7 @@ class PerRankDriver(Driver):
 
     def __init__(self, topology: Topology, stages: Sequence[Any], skips: Dict[int, Any],
                  data_group: Optional[Any], shared: Sequence[Any], timeout: float,
-                 p2p: str = "tagged") -> None:
+                 p2p: str = "tagged", sharded: Optional[Any] = None) -> None:
         self.topology = topology
         self.stages = list(stages)
         self.local = [k for k, owner in enumerate(topology.owner) if owner == topology.rank]
@@ -66,7 +66,10 @@ class PerRankDriver(Driver):
         self.board.share(self._facts)
         self.data_group = data_group
         self.replicas = 1 if data_group is None else dist.get_world_size(data_group)
-        self.grad_sync = GradSync(data_group, self.board, timeout) if self.replicas > 1 else None
+        # FSDP's per-step hooks (fastpipe.parallel.fsdp.ShardedStages): FSDP reduces gradients
+        self.sharded = sharded
+        self.grad_sync = (GradSync(data_group, self.board, timeout)
+                          if self.replicas > 1 and sharded is None else None)
         self.tied = TiedSync(shared, topology.owner, topology.group, topology.device, self.board,
                              timeout)
         self.steps = 0
@@ -155,16 +158,22 @@ class PerRankDriver(Driver):
         self.last_actions = (last_gradient_actions(schedule.actions[self.topology.stage],
                                                    schedule) if step.train else {})
         batchnorm.discard(local)
+        if self.sharded is not None:
+            self.sharded.prepare(step, schedule.actions[self.topology.stage], schedule)
         order_streams(local, before=True)  # GPU: after the optimizer's update, and back after
         try:
             self.executor.run(programs, step, schedule)
         finally:
             order_streams(local, before=False)
+        if self.sharded is not None:
+            self.sharded.after_run(step)
         if step.train:  # no rank keeps a step another did not finish
             self.executor.confirm_step(self.timeout)
         batchnorm.commit(local)
 
     def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
+        if self.sharded is not None:
+            self.sharded.after_action(stage, action)
         if self.grad_sync is not None and action in self.last_actions:
             self.grad_sync.launch(stage.parameters(), f"stage {stage.index}")
 

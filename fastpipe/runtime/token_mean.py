@@ -49,7 +49,9 @@ class TokenMean:
     step, and the final division."""
 
     def __init__(self, parameters: Callable[[], Iterable[torch.nn.Parameter]]) -> None:
-        self._parameters = parameters
+        # read before the step: during it, FSDP registers its gathered parameters in the
+        # modules, while the gradients the step ends with are the sharded parameters'
+        self._parameters = list(parameters())
         self._lock = threading.Lock()
         self._prior: Optional[Dict[torch.nn.Parameter, Optional[torch.Tensor]]] = None
         self.counts: Dict[int, float] = {}
@@ -65,7 +67,7 @@ class TokenMean:
         with self._lock:
             if self._prior is None:
                 self._prior = {p: (None if p.grad is None else p.grad.detach().clone())
-                               for p in self._parameters()}
+                               for p in self._parameters}
             self.counts.setdefault(microbatch, count)
 
     def total(self) -> float:
