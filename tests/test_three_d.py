@@ -15,11 +15,12 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with gloo")
 
 
-def test_pipeline_2_x_tensor_2_every_kind_of_stage():
+@pytest.mark.parametrize("p2p", ["tagged", "grouped"])
+def test_pipeline_2_x_tensor_2_every_kind_of_stage(p2p):
     """Column/row-parallel pairs inside the stages: replicated activations at the boundaries
     (sent once per tensor-parallel group, in slices) and sharded ones (sent per rank), skip
     connections across ranks, a weight tied across ranks (kept replicated)."""
-    results = assert_all_ok(launch("several", 4, limit=240, args={"cases": [
+    results = assert_all_ok(launch("several", 4, limit=240, p2p=p2p, args={"cases": [
         ["three_d_runs", {"runs": [
             {"pipeline": 2, "tensor": 2, "chunks": 4, "schedules": [
                 ["gpipe", 1, "except_last"], ["1f1b", 1, "always"], ["zb-h1", 1, "never"],
@@ -48,9 +49,10 @@ def test_pipeline_2_x_tensor_2_every_kind_of_stage():
         assert "(8, 8)" in tied["local_shapes"]["1f1b"]  # the tied weight, replicated
 
 
-def test_pipeline_2_x_fsdp_2_reduces_once_per_step():
+@pytest.mark.parametrize("p2p", ["tagged", "grouped"])
+def test_pipeline_2_x_fsdp_2_reduces_once_per_step(p2p):
     fsdp = {"pipeline": 2, "shard": 2, "data_parallel": "fsdp", "chunks": 4}
-    results = assert_all_ok(launch("several", 4, limit=240, args={"cases": [
+    results = assert_all_ok(launch("several", 4, limit=240, p2p=p2p, args={"cases": [
         ["three_d_runs", {"runs": [
             dict(fsdp, schedules=[["gpipe", 1, "never"], ["1f1b", 1, "except_last"],
                                   ["interleaved", 2, "always"], ["zbv", 2, "never"],
@@ -69,10 +71,11 @@ def test_pipeline_2_x_fsdp_2_reduces_once_per_step():
                    for shape in r["local_shapes"]["1f1b"])  # half of each 8-row weight
 
 
-def test_pipeline_2_x_data_2_x_tensor_2_and_hybrid_sharding():
+@pytest.mark.parametrize("p2p", ["tagged", "grouped"])
+def test_pipeline_2_x_data_2_x_tensor_2_and_hybrid_sharding(p2p):
     """8 processes: replicated data parallelism over tensor-parallel stages, then FSDP over
     tensor-parallel stages (2-D parameters), then hybrid sharding (replicate x shard)."""
-    assert_all_ok(launch("several", 8, limit=300, args={"cases": [
+    assert_all_ok(launch("several", 8, limit=300, p2p=p2p, args={"cases": [
         ["three_d", {"pipeline": 2, "data": 2, "tensor": 2, "chunks": 4, "steps": 2,
                      "schedules": [["interleaved", 2, "except_last"]]}],
         ["three_d", {"pipeline": 2, "shard": 2, "tensor": 2, "data_parallel": "fsdp",
