@@ -63,11 +63,12 @@ def plan(layers: int) -> dict:
 
 def main() -> None:
     args = parse()
-    dist.init_process_group("gloo")
+    dist.init_process_group()  # gloo for CPU tensors, NCCL for CUDA ones (where there are GPUs)
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = args.shard or max(1, world // (args.pipeline * args.data * args.tensor))
     mesh = fastpipe.init_mesh(pipeline=args.pipeline, data=args.data, shard=shard,
-                              tensor=args.tensor, timeout=args.timeout)
+                              tensor=args.tensor, timeout=args.timeout,
+                              device_type="cuda" if torch.cuda.is_available() else "cpu")
     if args.batch % mesh.replicas:
         raise SystemExit(f"--batch {args.batch} must divide by data x shard = {mesh.replicas}")
     with torch.device("meta"):
