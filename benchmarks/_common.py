@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable, Dict, List, Sequence
 
@@ -49,3 +52,27 @@ def machine() -> str:
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"torch {torch.__version__}, python {platform.python_version()}, "
             f"load average at start {load:.2f}")
+
+
+def run_ranks(script: str, world: int, env: Dict[str, str], limit: float) -> str:
+    """Run ``script`` as ``world`` local ranks (the environment torchrun would set, plus
+    ``env``), at most ``limit`` seconds; rank 0's stdout. Exits naming the failure."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       OMP_NUM_THREADS="1", **env))
+             for rank in range(world)]
+    try:
+        outputs = [p.communicate(timeout=limit) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise SystemExit(f"{script}: a rank did not finish in {limit:g} s")
+    if any(p.returncode != 0 for p in procs):
+        raise SystemExit(f"{script}: a rank failed (exit codes {[p.returncode for p in procs]}):"
+                         f"\n" + "\n".join(err[-2000:] for _, err in outputs))
+    return outputs[0][0]

@@ -23,8 +23,6 @@ import argparse
 import copy
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List
@@ -130,21 +128,11 @@ def worker() -> None:
 
 
 def launch(rounds: int) -> Dict[str, List[float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(STAGES):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(STAGES), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", BENCH_ROUNDS=str(rounds),
-                   BENCH_WORKER="1", BENCH_RANKS=str(STAGES),
-                   BENCH_MICRO_BATCH=str(BATCH // CHUNKS))
-        procs.append(subprocess.Popen([sys.executable, __file__], env=env,
-                                      stdout=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=1800)[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"a worker failed: exit codes {[p.returncode for p in procs]}")
-    line = next(line for line in outputs[0].splitlines() if line.startswith("TIMES "))
+    from _common import run_ranks
+    out = run_ranks(__file__, STAGES, {"BENCH_ROUNDS": str(rounds), "BENCH_WORKER": "1",
+                                       "BENCH_RANKS": str(STAGES),
+                                       "BENCH_MICRO_BATCH": str(BATCH // CHUNKS)}, limit=1800)
+    line = next(line for line in out.splitlines() if line.startswith("TIMES "))
     return json.loads(line[len("TIMES "):])
 
 

@@ -30,9 +30,7 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List
@@ -113,25 +111,10 @@ def worker() -> None:
 
 
 def launch(name: str, steps: int) -> Dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", BENCH_LAYOUT=name,
-                   BENCH_STEPS=str(steps), BENCH_WORKER="1")
-        procs.append(subprocess.Popen([sys.executable, __file__], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outputs = [p.communicate(timeout=900) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise SystemExit(f"{name}: a worker did not finish in 900 s")
-    if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"{name}: a worker failed:\n" + "\n".join(e[-2000:] for _, e in outputs))
-    line = next(line for line in outputs[0][0].splitlines() if line.startswith("RESULT "))
+    from _common import run_ranks
+    out = run_ranks(__file__, WORLD, {"BENCH_LAYOUT": name, "BENCH_STEPS": str(steps),
+                                      "BENCH_WORKER": "1"}, limit=900)
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 

@@ -95,6 +95,41 @@ def transparency(schedules: List[List[Any]], batches: List[int], chunks: int = 4
     return {"worst": worst, "p2p": pipe.p2p}
 
 
+def randomized(seed: int, count: int) -> Dict:
+    """Seeded random (schedule, checkpoint mode, chunks, transport, batch sizes) drawn alike on
+    every rank, each trained for several steps of changing batch sizes against the plain model
+    (loss and every gradient): the transports' size caches and second phases included."""
+    import random
+    rng = random.Random(seed)
+    schedules = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "looped-bfs": 2, "zb-h1": 1,
+                 "zbv": 2, "dualpipev": 2}
+    modes = ["never", "except_last", "always", "selective", "offload"]
+    drawn = []
+    for _ in range(count):
+        name = rng.choice(sorted(schedules))
+        world = dist.get_world_size()  # chunked schedules take m <= stages or a multiple
+        v, mode = schedules[name], rng.choice(modes)
+        chunks = rng.choice([c for c in range(1, 7) if v == 1 or c <= world or c % world == 0])
+        p2p = rng.choice(["tagged", "grouped"])
+        batches = [rng.randint(chunks, 11) for _ in range(3)]  # uneven micro-batches
+        depth = max(8, 2 * dist.get_world_size() * v)
+        plain = model(depth=depth)
+        pipe = DistributedPipe(model(depth=depth), chunks=chunks, schedule=name, checkpoint=mode,
+                               virtual_stages=v, timeout=30, p2p=p2p)
+        last = len(pipe.balance) - 1
+        for step, batch in enumerate(batches):
+            x, y = data(batch, seed=seed + step)
+            ref_loss, ref = reference_grads(plain, x, y)
+            pipe.zero_grad(set_to_none=True)
+            loss = pipe.train_step(x if 0 in pipe.stages else None,
+                                   y if last in pipe.stages else None, nn.functional.mse_loss)
+            where = f"seed {seed}: {name} {mode} chunks={chunks} {p2p} batch={batch}"
+            torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{where}: {m}")
+            check_grads(pipe, ref, where)
+        drawn.append([name, mode, chunks, p2p, batches])
+    return {"drawn": drawn}
+
+
 def loss_checks() -> Dict:
     """A float64 model's loss comes back as float64 on every rank, equal to the plain model's."""
     plain = model().double()
@@ -516,14 +551,18 @@ def doctored(path: str, wait: float = 0.2) -> Dict:
             "rate": stats.samples_per_second}
 
 
-def pipedream(steps: int = 2) -> Dict:
+def pipedream(steps: int = 2, tensor: int = 1) -> Dict:
     """schedule='pipedream' across processes: each rank steps its stage per micro-batch with
     the weight version that micro-batch's forward used; the parameters after each call equal
-    those of the one-process Pipe running the same schedule."""
+    (gathered, with ``tensor`` > 1: pipeline 2 x tensor parallel) those of the one-process Pipe
+    running the same schedule."""
     local = fastpipe.Pipe(model(), chunks=4, balance=[4, 4], devices=["cpu", "cpu"],
                           schedule="pipedream")
     local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
-    pipe = DistributedPipe(model(), chunks=4, balance=[4, 4], schedule="pipedream", timeout=30)
+    layout: Dict[str, Any] = {"timeout": 30} if tensor == 1 else {
+        "mesh": init_mesh(pipeline=2, tensor=tensor, timeout=60),
+        "tensor_parallel": tp_plan(8), "timeout": 60}
+    pipe = DistributedPipe(model(), chunks=4, balance=[4, 4], schedule="pipedream", **layout)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
         x, y = data(8, seed=step)
@@ -532,10 +571,11 @@ def pipedream(steps: int = 2) -> Dict:
         torch.testing.assert_close(loss, expected, **TOL)
         after = dict(local.named_parameters())
         for name, p in pipe.named_parameters():
-            torch.testing.assert_close(p, after[name], **TOL,
+            torch.testing.assert_close(full(p.detach()), after[name].detach(), **TOL,
                                        msg=lambda m: f"pipedream step {step}, {name}: {m}")
     start = dict(model().named_parameters())
-    return {"moved": all(not torch.equal(p, start[n]) for n, p in pipe.named_parameters())}
+    return {"moved": all(not torch.equal(full(p.detach()), start[n].detach())
+                         for n, p in pipe.named_parameters())}
 
 
 def boundary_mismatch() -> Dict:
@@ -848,7 +888,7 @@ def process_groups() -> Dict:
     return out
 
 
-CASES = {f.__name__: f for f in (process_groups, transparency, data_parallel, variable_shapes, failure, blame,
+CASES = {f.__name__: f for f in (process_groups, randomized, transparency, data_parallel, variable_shapes, failure, blame,
                                  loss_checks, detached_loss, traced_gpt2, token_mean,
                                  dcp_round_trip,
                                  bad_targets, boundary_mismatch, checkpoint_across_layouts,
@@ -1100,25 +1140,8 @@ def three_d_errors() -> Dict:
 
 
 def three_d_pipedream(steps: int = 2) -> Dict:
-    """schedule='pipedream' on pipeline 2 x tensor 2: after every call the gathered parameters
-    equal those of the one-process Pipe running PipeDream."""
-    mesh = init_mesh(pipeline=2, tensor=2, timeout=60)
-    local = fastpipe.Pipe(model(), chunks=4, balance=[4, 4], devices=["cpu", "cpu"],
-                          schedule="pipedream")
-    local_opt = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9)
-    pipe = DistributedPipe(model(), chunks=4, balance=[4, 4], schedule="pipedream", mesh=mesh,
-                           tensor_parallel=tp_plan(8), timeout=60)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
-    for step in range(steps):
-        x, y = data(8, seed=step)
-        expected = local.train_step(x, y, nn.functional.mse_loss, optimizer=local_opt)
-        loss = pipe.train_step(x, y, nn.functional.mse_loss, optimizer=opt)
-        torch.testing.assert_close(loss, expected, **TOL)
-        after = dict(local.named_parameters())
-        for name, p in pipe.named_parameters():
-            torch.testing.assert_close(full(p.detach()), after[name].detach(), **TOL,
-                                       msg=lambda m: f"pipedream step {step}, {name}: {m}")
-    return {"ok": True}
+    """schedule='pipedream' on pipeline 2 x tensor 2 (see ``pipedream``)."""
+    return pipedream(steps, tensor=2)
 
 
 def three_d_token_mean(tensor: int = 1, shard: int = 1) -> Dict:

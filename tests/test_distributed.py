@@ -282,3 +282,14 @@ def test_the_readme_snippet_style_bare_init_runs_under_torchrun(tmp_path):
     assert [line[:3] for line in lines] == [["undefined", "cpu", "tagged"],
                                             ["undefined", "cpu", "grouped"]], out
     assert len({value for line in lines for value in line[3:]}) == 1  # every rank, transport
+
+
+@pytest.mark.parametrize("world, seed", [(2, 11), (3, 12)])
+def test_randomized_transparency_across_processes(world, seed):
+    """Seeded random schedules, checkpoint modes, chunk counts and transports, each over three
+    steps of changing batch sizes, against the plain model on every rank."""
+    results = assert_all_ok(launch("randomized", world, limit=240,
+                                   args={"seed": seed, "count": 8}))
+    drawn = results[0]["drawn"]
+    assert all(r["drawn"] == drawn for r in results)  # every rank drew the same configurations
+    assert {d[3] for d in drawn} == {"tagged", "grouped"}

@@ -76,8 +76,8 @@ class DistributedExecutor(LocalExecutor):
         self.sends = SendLog()
         self._notices = SendLog()  # failure notices, never waited for
         # p2p="grouped": this rank runs its NCCL program, messages move in its groups
-        self.exchange = (GroupedExchange(self.transport, topology.stage,
-                                         dist.get_process_group_ranks(topology.group),
+        self._ranks = dist.get_process_group_ranks(topology.group)  # by physical stage
+        self.exchange = (GroupedExchange(self.transport, topology.stage, self._ranks,
                                          self.sends) if grouped else None)
         self._program: Tuple[Op, ...] = ()
         self._learned: Optional[CommGroup] = None  # the group taken to learn the step's size
@@ -86,7 +86,7 @@ class DistributedExecutor(LocalExecutor):
     # ---------------------------------------------------------------- receiving
     def inbox(self, src_rank: int) -> Inbox:
         if src_rank not in self._inboxes:
-            stage = dist.get_process_group_ranks(self.topology.group).index(src_rank)
+            stage = self._ranks.index(src_rank)
             self._inboxes[src_rank] = Inbox(src_rank, stage, self.transport,
                                             self._received_sizes)
         return self._inboxes[src_rank]
@@ -192,7 +192,7 @@ class DistributedExecutor(LocalExecutor):
         """Run the first exchange of this rank's program before the step's size is known: the
         receives of its first action (a forward of micro-batch 0 of its first stage), which do
         not depend on the size; the program skips that group when it gets there."""
-        owner, ranks = self.topology.owner, dist.get_process_group_ranks(self.topology.group)
+        owner, ranks = self.topology.owner, self._ranks
         entry = min(v for v in range(len(owner)) if owner[v] == self.rank)
         stage = self.topology.stage
         sources = [(ranks.index(owner[entry - 1]), None)] + [
@@ -293,7 +293,7 @@ class DistributedExecutor(LocalExecutor):
                 next_check = now + CHECK_EVERY
             if now >= deadline:
                 peers = sorted({op.peer for op in group.ops})
-                ranks = dist.get_process_group_ranks(self.topology.group)
+                ranks = self._ranks
                 raise self.board.blame(PipelineTimeout(
                     f"rank {self.rank} (stage {self.topology.stage}) timed out after "
                     f"{step.timeout:g}s in {what}, with rank(s) "
@@ -304,12 +304,12 @@ class DistributedExecutor(LocalExecutor):
         try:
             work.wait()
         except RuntimeError as error:
-            peer = dist.get_process_group_ranks(self.topology.group)[group.ops[0].peer]
+            peer = self._ranks[group.ops[0].peer]
             raise self.board.lost(f"waiting for {what}", error, peer) from None
 
     def _wait_blocking(self, work: Any, what: str, step: StepState, deadline: float,
                        group: CommGroup, where: Dict[str, Any]) -> None:
-        ranks = dist.get_process_group_ranks(self.topology.group)
+        ranks = self._ranks
         peer = ranks[group.ops[0].peer]
         try:
             work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
@@ -356,6 +356,11 @@ class DistributedExecutor(LocalExecutor):
                 self._run_action(step, worker, step.stages[route.virtual_stage], action)
             if posted is not None:
                 self._finish(step, posted, None)
+        if self.exchange.outgoing:  # a message its program never sent: refuse, never drop it
+            left = sorted(map(str, self.exchange.outgoing))
+            self.exchange.outgoing.clear()
+            raise PipelineError(f"rank {self.rank} ended the step with unsent messages {left}: "
+                                f"the program and the schedule disagree")
         return None
 
     def _skip_learned(self, group: CommGroup) -> None:
@@ -461,7 +466,7 @@ class DistributedExecutor(LocalExecutor):
         self.board.publish(reason)
         if self.topology.device.type != "cpu":  # NCCL pairs by order: the board alone tells
             return
-        peers = dist.get_process_group_ranks(self.topology.group)
+        peers = self._ranks
         for peer in [r for r in peers if r != self.topology.rank]:
             try:
                 send_failure(peer, self.topology.group, self.topology.device, reason,

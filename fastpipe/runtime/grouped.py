@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PipelineError
-from ..schedule import ActionKind, Comm, CommGroup, CommKind, Payload
+from ..schedule import Comm, CommGroup, CommKind
+from ..schedule.lower import comm_fields
+from ..schedule.nccl_model import consumer_of
 from .lowering import carries_loss
 from .mailbox import Mailbox
 from .message import Message
@@ -283,11 +285,5 @@ class Posted:
     def feeds(self, consumer: Tuple[int, Any, int]) -> bool:
         """Whether the group receives a tensor for the action ``(virtual stage, kind,
         micro-batch)``."""
-        return any(consumer == consumer_of(inc.op) for inc in self.receives)
+        return any(consumer == consumer_of(comm_fields(inc.op)) for inc in self.receives)
 
-
-def consumer_of(op: Comm) -> Tuple[int, ActionKind, int]:
-    """The action that takes what a receive op brings: the forward (activations) or the
-    backward (gradients) of its virtual stage and micro-batch."""
-    kind = ActionKind.FORWARD if op.what is Payload.ACT else ActionKind.BACKWARD
-    return (op.virtual_stage, kind, op.microbatch)

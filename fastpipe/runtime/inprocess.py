@@ -5,7 +5,7 @@ or captures CUDA graphs, and lets the worker policy pick the thread count of the
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from .ir import Action, ActionKind, Schedule, ScheduleError
 from .lower import CommFields, CommKind, Payload, comm_from, counterpart_fields, group_from
 
-__all__ = ["NcclModel"]
+__all__ = ["NcclModel", "consumer_of"]
 
 Consumer = tuple[int, ActionKind, int]  # (virtual stage, kind, micro-batch) of an action
 
@@ -105,7 +105,7 @@ class NcclModel:
                                 f"{group_from(ops)}: NCCL would pair each copy with another op")
         for op in ops:
             if op[0] is CommKind.RECV:
-                key = _consumer_of(op)
+                key = consumer_of(op)
                 self.waiting[stage][key] = self.waiting[stage].get(key, 0) + 1
         stream = self.streams[stage]
         stream.append(_Group(stage, ops))
@@ -145,7 +145,7 @@ class NcclModel:
         group = self.streams[stage].popleft()
         for op in group.ops:
             if op[0] is CommKind.RECV:
-                self.waiting[stage][_consumer_of(op)] -= 1
+                self.waiting[stage][consumer_of(op)] -= 1
 
     # ---------------------------------------------------------------- errors
     def _deadlock_message(self) -> str:
@@ -172,7 +172,7 @@ class NcclModel:
         return "\n".join(lines)
 
 
-def _consumer_of(op: CommFields) -> Consumer:
+def consumer_of(op: CommFields) -> Consumer:
     """The action that consumes a received tensor: the forward (activations) or the backward
     (gradients) of its virtual stage and micro-batch."""
     kind = ActionKind.FORWARD if op[1] is Payload.ACT else ActionKind.BACKWARD
