@@ -14,8 +14,8 @@ from .apps.info import format_info, info
 from .compat import GPipe
 from .diagnosis.report import Diagnosis, doctor
 from .distributed import DistributedPipe, init_mesh
-from .errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
-                     ProcessGroupError, StageFailure)
+from .errors import (LossFunctionError, NonFiniteError, PipelineAborted, PipelineError,
+                     PipelineTimeout, ProcessGroupError, StageFailure)
 from .frontdoor import UncertainWeighting
 from .ops import reference_transfer, transfer
 from .pipe import Pipe
@@ -27,10 +27,10 @@ from .version import __version__
 
 __all__ = [
     "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "GPipe",
-    "LossFunctionError", "Pipe", "PipelineAborted", "PipelineError", "PipelineTimeout",
-    "ProcessGroupError", "Schedule", "ScheduleError", "StageFailure", "UncertainWeighting",
-    "__version__", "amp", "balance", "batchnorm", "distributed", "doctor", "format_info",
-    "get_schedule", "info", "init_mesh", "is_checkpointing", "is_recomputing", "memory",
-    "microbatch", "models", "nn", "ops", "profile", "reference_transfer", "schedule", "skip",
-    "tied", "tracing", "transfer",
+    "LossFunctionError", "NonFiniteError", "Pipe", "PipelineAborted", "PipelineError",
+    "PipelineTimeout", "ProcessGroupError", "Schedule", "ScheduleError", "StageFailure",
+    "UncertainWeighting", "__version__", "amp", "balance", "batchnorm", "distributed", "doctor",
+    "format_info", "get_schedule", "info", "init_mesh", "is_checkpointing", "is_recomputing",
+    "memory", "microbatch", "models", "nn", "ops", "profile", "reference_transfer", "schedule",
+    "skip", "tied", "tracing", "transfer",
 ]

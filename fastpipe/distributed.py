@@ -192,7 +192,8 @@ class DistributedPipe(FrontDoor):
             self.module = tracing.local_view(traced, self.module)
         object.__setattr__(self, "_stages", stages)
         self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
-                                     layout.timeout, self._p2p, sharded=par.hooks())
+                                     layout.timeout, self._p2p, sharded=par.hooks(),
+                                     **par.closing())
         par.wire(stages, owner, rank, layout.timeout)  # send-once TP boundaries, before skips
         self.parallel = par
         skip_exchange.wire(stages, self._driver.skips)

@@ -90,3 +90,24 @@ class PeerLost(PipelineAborted):
     def __init__(self, message: str, *, culprit: str) -> None:
         super().__init__(message)
         self.culprit = culprit
+
+
+class NonFiniteError(RuntimeError):
+    """A training step's loss or gradient is inf or NaN (``train_step(nonfinite='raise')``).
+
+    Raised on every rank alike, before the optimizer step (no optimizer state has changed),
+    naming where it was first seen: ``rank``, ``stage`` (virtual stage), ``microbatch`` (the
+    first micro-batch whose loss is not finite) or ``parameter`` (the plain-model name of the
+    first parameter whose gradient is not finite). Those that are unknown are ``None``.
+    ``agreed``: every rank raised it at the same point of the step (the pipe stays usable).
+    """
+
+    def __init__(self, message: str, *, rank: Optional[int] = None, stage: Optional[int] = None,
+                 microbatch: Optional[int] = None, parameter: Optional[str] = None,
+                 agreed: bool = False) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.stage = stage
+        self.microbatch = microbatch
+        self.parameter = parameter
+        self.agreed = agreed

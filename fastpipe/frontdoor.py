@@ -25,7 +25,7 @@ from . import microbatch, tracing
 from .policies import amp, selective
 from .policies.checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import check_chunks, check_flag, check_timeout, resolve_virtual_stages
-from .runtime import adaptive, auto, vitals
+from .runtime import adaptive, auto, closing, grad_norm, vitals
 from .runtime.driver import Driver
 from .runtime.weight_versions import check_optimizer_argument, step_optimizer
 from .runtime.step import StepState
@@ -102,6 +102,56 @@ def check_step_arguments(loss_fn: Any, loss_reduction: Any, optimizer: Any,
         raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' (losses averaged over "
                          f"the batch) or 'sum' (losses summed over the batch)")
     check_optimizer_argument(optimizer, asynchronous, scaler)
+
+
+@dataclass(frozen=True)
+class StepEnding:
+    """How a training step ends once its gradients are final (checked arguments)."""
+
+    optimizer: Optional[Any]
+    scaler: Optional[Any]
+    max_norm: Optional[float]
+    nonfinite: str
+    asynchronous: bool
+    sync: bool  # False inside no_sync(): the gradients are not final yet
+
+    @property
+    def norm_type(self) -> Optional[float]:
+        """The norm to measure (2), or ``None`` when nothing needs the gradients scanned:
+        no clipping, and non-finite gradients not looked for (``'ignore'``, a scaler's own
+        check, PipeDream's per-update check, or gradients not final yet)."""
+        if not self.sync:
+            return None
+        looks = self.nonfinite != "ignore" and self.scaler is None and not self.asynchronous
+        return 2.0 if self.max_norm is not None or looks else None
+
+
+def check_ending(optimizer: Any, scaler: Any, max_grad_norm: Any, nonfinite: Any,
+                 asynchronous: bool, sync: bool) -> StepEnding:
+    """``train_step``'s ``max_grad_norm`` and ``nonfinite``, checked with the arguments they
+    combine with, before any work."""
+    nonfinite = grad_norm.check_nonfinite(nonfinite)
+    max_norm = (None if max_grad_norm is None
+                else grad_norm.check_max_norm(max_grad_norm, "max_grad_norm"))
+    if not sync and (optimizer is not None or max_norm is not None):
+        raise ValueError("optimizer= and max_grad_norm= inside pipe.no_sync(): the gradients "
+                         "are final only after the first call outside the block; pass them "
+                         "to that call")
+    if asynchronous and max_norm is not None:
+        raise NotImplementedError("max_grad_norm with schedule='pipedream': each stage updates "
+                                  "its weights after every micro-batch, so there is no whole "
+                                  "gradient to clip; use a flushed schedule such as '1f1b'")
+    if nonfinite == "skip" and asynchronous:
+        raise NotImplementedError("nonfinite='skip' with schedule='pipedream': its updates "
+                                  "happen stage by stage inside the step and cannot be skipped "
+                                  "together; use 'raise' (each stage checks before it updates)")
+    if nonfinite == "skip" and optimizer is None and sync:
+        raise ValueError("nonfinite='skip' skips the optimizer step, so it needs optimizer=...; "
+                         "without it, use nonfinite='raise' and catch fastpipe.NonFiniteError")
+    if max_norm is not None and scaler is not None and optimizer is None:
+        raise ValueError("max_grad_norm with scaler= needs optimizer=...: the gradients must be "
+                         "unscaled before they are clipped (scaler.unscale_(optimizer))")
+    return StepEnding(optimizer, scaler, max_norm, nonfinite, asynchronous, sync)
 
 
 def loss_weights(sizes: Sequence[int], loss_reduction: str) -> List[float]:
@@ -193,45 +243,60 @@ class FrontDoor(nn.Module):
     # ---------------------------------------------------------------- running
     def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                    *, loss_reduction: str = "mean", scaler: Optional[Any] = None,
-                   optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
+                   optimizer: Optional[torch.optim.Optimizer] = None,
+                   max_grad_norm: Optional[float] = None,
+                   nonfinite: str = "raise") -> torch.Tensor:
         """Forward and backward of one batch on the pipe's schedule; returns the (detached) loss.
 
         Adds to every parameter's ``.grad`` what ``loss_fn(module(inputs), targets).backward()``
-        adds. ``loss_reduction='mean'`` weights each micro-batch's loss by its share of the batch
-        (exact for losses that average over the batch); ``'sum'`` adds them (for summed losses).
-        ``scaler``: a ``torch.amp.GradScaler``; each micro-batch's backward starts from its
-        scaled loss (the returned loss is unscaled); then ``scaler.step(optimizer)`` with one
-        optimizer over ``pipe.parameters()`` and ``scaler.update()``, or pass ``optimizer``
-        (see ``fastpipe.amp``).
+        adds, so gradients accumulate over calls as the plain model's do. ``loss_reduction=
+        'mean'`` weights each micro-batch's loss by its share of the batch (exact for losses
+        that average over the batch); ``'sum'`` adds them (for summed losses). ``loss_fn`` may
+        return ``(loss_sum, count)`` per micro-batch (e.g. a token count): the step's loss is
+        then the sums over the whole batch's count, and so are its gradients
+        (``fastpipe.runtime.token_mean``).
+
         ``optimizer``: stepped once after the backward (through ``scaler`` when given); it does
         not zero the gradients: call ``optimizer.zero_grad()`` before each step as usual. Under
         ``schedule='pipedream'`` it is required, and each stage steps it on its own parameters
-        after every micro-batch's backward, with that micro-batch's gradient (``.grad`` then
-        holds the last one); see ``fastpipe.runtime.weight_versions`` for the exact semantics.
-        ``loss_fn`` may return ``(loss_sum, count)`` per micro-batch (e.g. a token count): the
-        step's loss is then the sums over the whole batch's count, and so are its gradients
-        (``fastpipe.runtime.token_mean``).
+        after every micro-batch's backward (see ``fastpipe.runtime.weight_versions``).
+        ``max_grad_norm``: before that, clip the gradients by the whole model's norm (over every
+        stage and rank, each weight counted once; see :meth:`clip_grad_norm_`); the norm is in
+        ``last_step.grad_norm``.
+        ``nonfinite``: what a loss or gradient that is inf or NaN does: ``'raise'`` (default)
+        raises ``fastpipe.NonFiniteError`` naming where it was first seen, before the optimizer
+        step; ``'skip'`` (needs ``optimizer``) skips the optimizer step, as a GradScaler does,
+        and reports it in ``last_step.skipped``; ``'ignore'`` checks nothing. Every rank of a
+        ``DistributedPipe`` reaches the same verdict. With a ``scaler``, inf and NaN gradients
+        are the scaler's to skip (it lowers its scale), and ``nonfinite`` concerns the loss.
+        ``scaler``: a ``torch.amp.GradScaler``; each micro-batch's backward starts from its
+        scaled loss (the returned loss is unscaled); pass ``optimizer`` too, or call
+        ``scaler.step(optimizer)`` and ``scaler.update()`` yourself (see ``fastpipe.amp``).
+
+        Inside ``with pipe.no_sync():`` the data-parallel and tied-weight gradient syncs wait
+        for the next call outside the block (``optimizer`` and ``max_grad_norm`` belong to that
+        call).
 
         On a ``DistributedPipe`` every rank calls it with the same arguments: ``inputs`` are
         read on the rank of the first stage, ``targets`` on the rank of the last (``None``
         elsewhere is fine); every rank returns the loss, and the local gradients are averaged
-        over data-parallel replicas when there are some. With ``scaler`` and ``optimizer``, all
-        ranks agree whether any gradient anywhere is inf or NaN (so they skip the step
-        together); without ``optimizer``, call ``fastpipe.amp.unscale_and_sync(scaler,
-        optimizer)`` on every rank before ``scaler.step(optimizer)``.
+        over data-parallel replicas when there are some.
         """
+        asynchronous = self._pipedream is not None  # arguments first: every rank alike
+        scaler = amp.check_scaler(scaler)
+        check_step_arguments(loss_fn, loss_reduction, optimizer, asynchronous, scaler)
+        ending = check_ending(optimizer, scaler, max_grad_norm, nonfinite, asynchronous,
+                              sync=not self.__dict__.get("_unsynced", False))
         with self._driver.guarded():
-            return self._train_step(inputs, targets, loss_fn, loss_reduction,
-                                    amp.check_scaler(scaler), optimizer)
+            return self._train_step(inputs, targets, loss_fn, loss_reduction, ending)
 
     def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                    loss_reduction: str, scaler: Optional[Any],
-                    optimizer: Optional[torch.optim.Optimizer]) -> torch.Tensor:
-        asynchronous = self._pipedream is not None
-        check_step_arguments(loss_fn, loss_reduction, optimizer, asynchronous, scaler)
-        handlers = self._pipedream.handlers(optimizer) if asynchronous else None
+                    loss_reduction: str, ending: "StepEnding") -> torch.Tensor:
+        optimizer, scaler, asynchronous = ending.optimizer, ending.scaler, ending.asynchronous
+        handlers = self._pipedream.handlers(optimizer, ending.nonfinite) if asynchronous else None
         start = time.perf_counter()
         token_mean = None if asynchronous else TokenMean(self.parameters)
+        self._driver.begin_training(ending.sync)
         step, sizes = self._new_step(inputs, targets, train=True, grad_enabled=True,
                                      loss_fn=loss_fn, scaler=scaler, token_mean=token_mean)
         schedule = self.plan(len(sizes))
@@ -241,18 +306,112 @@ class FrontDoor(nn.Module):
         step.handlers = handlers
         self._run(schedule.actions, step, schedule)
         loss, count = self._driver.loss(step, len(sizes))
-        self._driver.average_gradients()
-        if count is not None:  # (loss_sum, count) losses: the step's gradients over the count
-            step.token_mean.finish(count, scale=self._driver.replicas)
-        elif loss_reduction == "mean" and len(set(sizes)) > 1 and self._reads_targets(True):
+        if count is None and loss_reduction == "mean" and len(set(sizes)) > 1 \
+                and self._reads_targets(True):
             warn_uneven_mean(sizes)
-        self._driver.sum_tied_gradients()
-        if optimizer is not None and not asynchronous:
-            self._driver.before_update(optimizer, scaler)
-            step_optimizer(optimizer, scaler)
+        self._driver.finish_gradients(step, count)
+        self._end_step(step, loss, len(sizes), ending)
         self._measured(sum(sizes), start)
         vitals.finish_step(self, step, sum(sizes), start)
         return loss
+
+    def _end_step(self, step: StepState, loss: torch.Tensor, count: int,
+                  ending: "StepEnding") -> None:
+        """After the gradients are final: unscale (scaler), gather every process's report
+        (norm terms, non-finite findings; on a ``DistributedPipe`` the collective that confirms
+        the step), then raise, skip, or clip and step the optimizer, alike everywhere."""
+        optimizer, scaler = ending.optimizer, ending.scaler
+        unscaled = scaler is not None and optimizer is not None and ending.sync
+        scaler_skips = self._driver.before_update(optimizer, scaler) if unscaled else False
+        norm_type = ending.norm_type if not scaler_skips else None
+        counted = (self._driver.counted(list(self.named_parameters()))
+                   if norm_type is not None else [])
+        verdict = self._verdict(step, count, counted, norm_type, scaler is not None)
+        step.grad_norm = verdict.grad_norm
+        bad = verdict.culprit if ending.nonfinite != "ignore" else None
+        if bad is not None and ending.nonfinite == "raise":
+            name = self._driver.name_of(bad, counted) if bad.bad_parameter >= 0 else None
+            if unscaled:
+                scaler.update()  # unscaled this step: leave the scaler ready for the next
+            raise closing.error(bad, float(loss), name, self._driver.distributed)
+        step.skipped = optimizer is not None and (scaler_skips or bad is not None)
+        if step.skipped:
+            object.__setattr__(self, "_skipped_steps", self.skipped_steps + 1)
+        elif ending.max_norm is not None:
+            factor = grad_norm.coefficient(ending.max_norm, verdict.grad_norm,
+                                           grad_norm.grad_dtype(self.parameters()))
+            grad_norm.clip_(self.parameters(), factor)
+        if optimizer is not None and not ending.asynchronous:
+            if bad is None:
+                step_optimizer(optimizer, scaler)  # a scaler skips its own verdicts
+            elif scaler is not None:
+                scaler.update()  # skipped as the scaler's own skips are: its scale moves
+
+    def _verdict(self, step: StepState, count: int, counted: Sequence[Any],
+                 norm_type: Optional[float], scaled: bool) -> "closing.Verdict":
+        """This process's report of the step, gathered with every other's: the verdict."""
+        last = len(self._stages) - 1
+        mine = closing.report(self._driver.rank, counted, norm_type, step.losses, count,
+                              last if self._reads_targets(True) else None)
+        if scaled:  # inf gradients are the scaler's: only the loss is checked
+            mine = dataclasses.replace(mine, bad_parameter=-1, bad_stage=-1)
+        return closing.verdict(self._driver.gather_reports(mine), norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: scale every gradient by
+        ``min(max_norm / (total_norm + 1e-6), 1)`` and return ``total_norm``, the p-norm of the
+        model's whole gradient (every stage and virtual stage; on a ``DistributedPipe`` every
+        rank's, each data-parallel replica, tensor-parallel or FSDP shard and tied weight
+        counted once), the same on every rank.
+
+        torch's own function clips only the gradients it is given: on a rank of a
+        ``DistributedPipe`` that is one stage's, by that stage's norm. On a
+        ``DistributedPipe`` this is a collective: every rank calls it. Not inside ``no_sync()``
+        (the gradients are not final there). ``error_if_nonfinite``: raise
+        ``fastpipe.NonFiniteError`` (nothing clipped) when the norm is inf or NaN.
+        """
+        max_norm = grad_norm.check_max_norm(max_norm)
+        norm_type = grad_norm.check_norm_type(norm_type)
+        error_if_nonfinite = check_flag(error_if_nonfinite, "error_if_nonfinite")
+        self._driver.check_synced("clip_grad_norm_")
+        with self._driver.guarded():
+            counted = self._driver.counted(list(self.named_parameters()))
+            mine = closing.report(self._driver.rank, counted, norm_type, {}, 0)
+            verdict = closing.verdict(self._driver.gather_reports(mine), norm_type)
+            if error_if_nonfinite and verdict.culprit is not None:
+                bad = verdict.culprit
+                name = self._driver.name_of(bad, counted)
+                raise closing.error(bad, None, name, self._driver.distributed, clipping=True)
+        total = verdict.grad_norm if verdict.grad_norm is not None else 0.0
+        dtype = grad_norm.grad_dtype(self.parameters())
+        grad_norm.clip_(self.parameters(), grad_norm.coefficient(max_norm, total, dtype))
+        return torch.tensor(total, dtype=dtype, device=self._driver.norm_device)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over several ``train_step`` calls without syncing them, as
+        ``DistributedDataParallel.no_sync`` does: inside the block, data-parallel averages and
+        the sums of weights tied across ranks wait; the first call after the block syncs all
+        that the calls accumulated. The result equals syncing every call (and the plain model
+        accumulating ``.grad``); what it saves is one all-reduce per call. On a ``Pipe`` (one
+        process, nothing to sync) it changes nothing."""
+        if self.__dict__.get("_unsynced", False):
+            raise RuntimeError("pipe.no_sync() is already active; do not nest it")
+        if self._pipedream is not None:
+            raise NotImplementedError("no_sync() with schedule='pipedream': PipeDream updates "
+                                      "the weights inside each step, there is nothing to defer")
+        object.__setattr__(self, "_unsynced", True)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_unsynced", False)
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many optimizer steps ``train_step`` skipped (non-finite steps under
+        ``nonfinite='skip'``, and those a GradScaler skipped)."""
+        return self.__dict__.get("_skipped_steps", 0)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the batch through the stages (the forward actions of the pipe's schedule); the

@@ -1171,14 +1171,15 @@ def three_d_runs(runs: List[Dict[str, Any]]) -> Dict:
 CASES.update({f.__name__: f for f in (three_d, three_d_runs, three_d_checkpoint,
                                       three_d_errors, three_d_pipedream, three_d_token_mean)})
 
-def main() -> None:
+def main(cases: Dict[str, Callable[..., Dict]] = CASES) -> None:
+    """Run the case named on the command line (from ``cases``) on this rank."""
     case, args = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1,
                           is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.set_num_threads(1)
-    result = CASES[case](**args)
+    result = cases[case](**args)
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 

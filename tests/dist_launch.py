@@ -45,9 +45,11 @@ def free_port() -> int:
 
 
 def launch(case: str, world_size: int, limit: float = 120.0,
-           args: Optional[Dict[str, Any]] = None, p2p: str = "auto") -> List[RankResult]:
-    """Run ``case`` on ``world_size`` ranks, its pipes on the ``p2p`` transport; every process
-    is dead when this returns."""
+           args: Optional[Dict[str, Any]] = None, p2p: str = "auto",
+           script: str = "dist_cases.py") -> List[RankResult]:
+    """Run ``case`` (a function of ``script``, a case file under tests/ whose ``main`` is
+    ``dist_cases.main``) on ``world_size`` ranks, its pipes on the ``p2p`` transport; every
+    process is dead when this returns."""
     port = free_port()
     # The parent hosts the key-value store, as torchrun's agent does: a rank that exits early
     # does not take the store (and its peers' failure notices) with it.
@@ -60,7 +62,7 @@ def launch(case: str, world_size: int, limit: float = 120.0,
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", FASTPIPE_CASES_P2P=p2p,
                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "dist_cases.py"), case, json.dumps(args or {})],
+            [sys.executable, os.path.join(HERE, script), case, json.dumps(args or {})],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
     deadline = time.monotonic() + limit
     results = []

@@ -22,7 +22,14 @@ from fastpipe.skip.layout import StageSkips
 def test_header_round_trips_and_rejects_garbage():
     header = Header(1, 3, 2, 8, 61, 120, 4096, 17, loss=0.123456789)
     assert Header.decode(header.encode()) == header
-    assert math.isnan(Header.decode(Header(0, 0, 0, 1, 1, 0, 0, 0).encode()).loss)
+    assert Header.decode(Header(0, 0, 0, 1, 1, 0, 0, 0).encode()).loss is None  # no loss
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_nonfinite_loss_is_a_loss_not_a_missing_one(value):
+    decoded = Header.decode(Header(1, 0, 0, 2, 4, 0, 0, 1, loss=value).encode())
+    assert decoded.loss is not None
+    assert (math.isnan(decoded.loss) if math.isnan(value) else decoded.loss == value)
     with pytest.raises(ValueError, match="corrupt pipeline message header"):
         Header.decode(torch.zeros(HEADER_LEN, dtype=torch.int64))
 

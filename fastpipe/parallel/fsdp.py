@@ -12,6 +12,8 @@ forward and backward):
   gathered until its last backward of the step. Resharding after every forward would repeat the
   all-gather for each micro-batch's backward and the next forward: ``2 x chunks`` all-gathers
   per step instead of one.
+- inside ``pipe.no_sync()`` nothing is reduced: the unsharded gradients accumulate over the
+  calls, and the first call after the block reduces them all with its own.
 - gradients are reduced once per step: ``set_requires_gradient_sync(False)`` (and
   ``set_reshard_after_backward(False)``) until the stage's second-to-last backward of the
   step has run, ``True`` for its last one, which reduce-scatters the accumulated gradient and
@@ -61,6 +63,7 @@ class ShardedStages:
     def __init__(self, roots: Dict[int, nn.Module]) -> None:
         self.roots = roots  # virtual stage -> its fully_shard-ed module
         self.keep_gathered = True
+        self.syncing = True  # False inside pipe.no_sync(): no reduction at all this step
         self._trigger: Dict[Action, int] = {}
         self._handlers = dict(HANDLERS)
         self._handlers[ActionKind.WEIGHT] = _fused_weight
@@ -90,6 +93,11 @@ class ShardedStages:
         for action in program:
             if action.kind == ActionKind.BACKWARD:
                 backwards.setdefault(schedule.virtual_stage_of(action), []).append(action)
+        if not self.syncing:  # accumulate unsharded gradients until a call that syncs
+            self._trigger = {}
+            for root in self.roots.values():
+                self._final(root, False)
+            return
         self._trigger = {actions[-2]: v for v, actions in backwards.items()
                          if len(actions) > 1 and v in self.roots}
         for v, root in self.roots.items():

@@ -67,6 +67,16 @@ class Parallel:
             stage.call = boundary.Boundary(stage.call, group, sends, timeout)
             self.boundaries[k] = stage.call
 
+    def closing(self) -> Dict[str, Any]:
+        """Where a step's reports are gathered (``PerRankDriver``'s ``closing_group`` and
+        ``coordinates``): over the whole mesh when gradients are sharded (tensor parallel,
+        FSDP), so the shards' norms add up, each replicated copy counted on the first replica
+        of the mesh only; else over the pipeline group (every data-parallel replica then holds
+        the same averaged gradients and computes the same norm)."""
+        if not self.active or self.mesh is None:
+            return {}
+        return {"closing_group": dist.group.WORLD, "coordinates": dict(self.mesh.coordinates)}
+
     def report(self) -> Dict[int, Dict[str, Any]]:
         """Per local stage: whether its output was found replicated (and so sent in slices),
         and the floats its forward messages held, against the whole outputs'."""

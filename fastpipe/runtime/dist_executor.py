@@ -28,7 +28,7 @@ from ..schedule import (Action, ActionKind, Comm, CommGroup, CommKind, Op, Paylo
                         SkipLink)
 from ..schedule.nccl import pair_key
 from ..schedule.lower import comm_fields
-from .board import CHECK_EVERY, Board, wait_work
+from .board import CHECK_EVERY, Board
 from .executor import LocalExecutor, Rows
 from .grouped import GroupedExchange, Posted, Stash
 from .lowering import Route, is_ready, lowering, nccl_programs
@@ -99,7 +99,7 @@ class DistributedExecutor(LocalExecutor):
         inbox = self.inbox(src_rank)
         inbox.begin(None)
         self._doing(f"waiting for the first message of the step from rank {src_rank}")
-        return self._receive(step, inbox, f"the first message of the step from rank {src_rank}",
+        return self._receive(step, inbox, "the first message of the step",
                              time.monotonic() + step.timeout)
 
     def expect(self, schedule: Schedule, rows: Sequence[Sequence[Action]],
@@ -404,22 +404,11 @@ class DistributedExecutor(LocalExecutor):
             self._doing("finished its actions")
         except PipelineError as error:
             culprit = getattr(error, "culprit", None)
+            if culprit is None and isinstance(error, PipelineAborted):  # pass the first on
+                culprit = self.board.read() or step.abort.reason
             self.fail(culprit or f"rank {self.topology.rank} (stage {self.topology.stage}) "
                                  f"failed: {error}")
             raise _with_rank(error, self.topology.rank) from error.__cause__
-
-    def confirm_step(self, timeout: float) -> None:
-        """Return once every rank of the pipeline has finished its part of the step (a
-        one-element all-reduce); raise naming the rank that exited or failed during it, so that
-        no rank keeps a step, or steps an optimizer, that another rank did not complete."""
-        self._doing("waiting for the other ranks to finish the step")
-        flag = torch.ones(1, device=self.topology.device)
-        try:
-            work = dist.all_reduce(flag, group=self.topology.group, async_op=True)
-        except RuntimeError as error:
-            raise self.board.lost("confirming the step", error) from None
-        wait_work(work, timeout, "every rank of the pipeline to finish the step", self.board)
-        self._doing("between steps")
 
     def _check_programs(self, programs: Sequence[Sequence[Action]]) -> None:
         if self.topology.stage >= len(programs):

@@ -15,6 +15,7 @@ import torch
 
 from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
+from . import closing, grad_norm
 from .step import StepState
 from .trace import StepRecorder
 
@@ -24,6 +25,8 @@ class Driver:
 
     #: the virtual stages this process runs (their inputs, targets and outputs are read here)
     local: List[int]
+    #: every virtual stage of the pipeline (another process's: a stand-in without a module)
+    stages: List[Any]
     #: whether this process searches the micro-batch count of ``chunks='auto'`` (the others
     #: follow the count the first stage announces)
     searches_chunks: bool = True
@@ -33,6 +36,14 @@ class Driver:
     reports: bool = True
     #: data-parallel replicas of this process's stages, whose gradients are averaged
     replicas: int = 1
+    #: this process's rank (named in errors), and whether there are other processes
+    rank: int = 0
+    distributed: bool = False
+
+    @property
+    def norm_device(self) -> torch.device:
+        """Where a gradient norm is returned: the device of this process's first stage."""
+        return self.stages[self.local[0]].device
 
     def guarded(self) -> ContextManager[None]:
         """Wraps every step: refuses or reports failures where processes must agree on them."""
@@ -70,14 +81,59 @@ class Driver:
         losses the whole step's count (the loss is then the sums over it), else ``None``."""
         raise NotImplementedError  # pragma: no cover
 
-    def average_gradients(self) -> None:
-        """After the backward: average the gradients over data-parallel replicas."""
+    def begin_training(self, sync: bool) -> None:
+        """Before a training step: ``sync`` is False inside ``no_sync()``, where the gradients
+        of the step stay this process's own (no data-parallel or tied-weight sums) until a
+        later call syncs them."""
 
-    def sum_tied_gradients(self) -> None:
-        """Then sum the gradients of weights tied across processes."""
+    def finish_gradients(self, step: StepState, count: Optional[float]) -> None:
+        """After the backward: make the step's gradients final: averaged over data-parallel
+        replicas, divided by the token count of ``(loss_sum, count)`` losses (``count``, else
+        ``None``), weights tied across processes summed."""
+        if count is not None:
+            step.token_mean.finish(count)
 
-    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
-        """Before the front door steps ``optimizer`` (through ``scaler`` when given)."""
+    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> bool:
+        """Before the front door steps ``optimizer`` through ``scaler``: unscale the gradients
+        (so they can be measured and clipped); whether the scaler found an inf or NaN in them
+        (it then skips the step, on every process alike)."""
+        scaler.unscale_(optimizer)
+        return scaler_found_inf(scaler, optimizer)
+
+    def counted(self, named: Sequence[Tuple[str, Any]]) -> List[grad_norm.Counted]:
+        """The parameters this process counts in the model's gradient norm (each element of
+        the model's gradient counted once over all processes)."""
+        return grad_norm.counted(named, self.stage_of())
+
+    def stage_of(self) -> dict:
+        """Parameter id -> the virtual stage of this process that holds it."""
+        found: dict = {}
+        for stage in self.stages:  # a weight tied across stages: its first (home) stage
+            module = getattr(stage, "module", None)  # None: another process's stage
+            for p in module.parameters() if module is not None else ():
+                found.setdefault(id(p), stage.index)
+        return found
+
+    def gather_reports(self, report: "closing.Report") -> List["closing.Report"]:
+        """Every process's report of the step (here, one process: its own). A
+        ``DistributedPipe`` gathers them in one collective, which confirms the step."""
+        return [report]
+
+    def name_of(self, culprit: "closing.Report", counted: Sequence[grad_norm.Counted]) -> str:
+        """The plain-model name of the culprit's first non-finite gradient."""
+        return counted[culprit.bad_parameter].name
+
+    def check_synced(self, what: str) -> None:
+        """Raise when the gradients are not final (a ``no_sync()`` window is open)."""
 
     def wait_for_devices(self) -> None:
         """Wait for the step's queued device work, so a measured step time covers it."""
+
+
+def scaler_found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` found an inf or NaN gradient (a host read: the
+    front door needs the verdict to report the step as skipped)."""
+    if not scaler.is_enabled():
+        return False
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    return any(float(v) > 0 for v in found.values())

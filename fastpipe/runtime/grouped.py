@@ -19,7 +19,6 @@ where the CPU only enqueues them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -159,7 +158,7 @@ class GroupedExchange:
         self._meta_sent[where] = meta
         payload = pack(tensors)
         nbytes = 0 if payload is None else payload.numel() * payload.element_size()
-        loss, loss_dtype = info.loss(mb) if carries_loss(key) else (math.nan, torch.float32)
+        loss, loss_dtype = info.loss(mb) if carries_loss(key) else (None, torch.float32)
         header = Header(kind, mb, key.virtual_stage, info.num_microbatches, info.batch_size,
                         0 if meta_data is None else meta_data.numel(), nbytes, info.step,
                         loss, loss_dtype, info.count(mb) if carries_loss(key) else -1.0)
@@ -229,7 +228,7 @@ class GroupedExchange:
             raise PipelineError("a message arrived without its metadata (the sender's cache and "
                                 "this rank's disagree: were both pipes rebuilt together?)")
         info = self.transport.info
-        if carries_loss(inc.op) and not math.isnan(header.loss):
+        if carries_loss(inc.op) and header.loss is not None:
             info.losses.setdefault(header.microbatch,
                                    torch.tensor(header.loss, dtype=header.loss_dtype))
         if carries_loss(inc.op) and header.count >= 0 and info.token_mean:

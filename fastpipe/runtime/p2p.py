@@ -13,7 +13,6 @@ of the next message.
 from __future__ import annotations
 
 import datetime
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -122,11 +121,12 @@ class StepInfo:
         counts = self.token_mean.counts if self.token_mean is not None else {}
         return counts.get(microbatch, -1.0)
 
-    def loss(self, microbatch: int) -> Tuple[float, torch.dtype]:
-        """The micro-batch's loss as a number and its dtype (NaN when not known here)."""
+    def loss(self, microbatch: int) -> Tuple[Optional[float], torch.dtype]:
+        """The micro-batch's loss as a number and its dtype (``None`` when not known here; a
+        NaN loss is known, and travels as NaN)."""
         value = self.losses.get(microbatch)
         if value is None:
-            return math.nan, torch.float32
+            return None, torch.float32
         dtype = value.dtype if value.dtype in LOSS_DTYPES else torch.float32
         return float(value), dtype
 
@@ -175,7 +175,7 @@ class Outbox:
         meta_data = meta.encode().to(self.device) if new_meta else None
         payload = pack(tensors)
         loss, loss_dtype = (self.info.loss(mb) if carries_loss(key)
-                            else (math.nan, torch.float32))
+                            else (None, torch.float32))
         header = Header(kind, mb, self.virtual_stage,
                         self.info.num_microbatches, self.info.batch_size,
                         0 if meta_data is None else meta_data.numel(),
@@ -262,7 +262,7 @@ class Inbox:
             raise ValueError(f"a message of kind {header.kind} for stage {header.dst_stage}: do "
                              f"all ranks build the same model (same skip connections, stages)?")
         key, message = self._message(header, early, timeout)
-        if carries_loss(key) and not math.isnan(header.loss):
+        if carries_loss(key) and header.loss is not None:
             self.info.losses.setdefault(header.microbatch,
                                         torch.tensor(header.loss, dtype=header.loss_dtype))
         if carries_loss(key) and header.count >= 0 and self.info.token_mean:

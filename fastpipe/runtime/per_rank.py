@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 from .. import microbatch
 from ..policies import amp, batchnorm
-from ..errors import PeerLost, PipelineAborted, PipelineError
+from ..errors import NonFiniteError, PeerLost, PipelineAborted, PipelineError
 from ..schedule import Action, Schedule
 from ..schedule.timeline import Timeline
 from . import backends
 from .board import Board, wait_work
 from .dist_executor import DistributedExecutor, Topology, last_gradient_actions
-from .driver import Driver
+from . import closing, grad_norm
+from .driver import Driver, scaler_found_inf
 from .grad_sync import GradSync
 from .lowering import skip_links
 from .stage import order_streams
@@ -31,6 +32,7 @@ from .step import StepState
 from .tied_sync import TiedSync
 from .trace import StepRecorder
 
+NAME_BYTES = 256  # a parameter name, as sent to every rank in a non-finite step's error
 _instances = itertools.count()  # ranks build their pipes in the same order: same ids everywhere
 
 
@@ -46,10 +48,15 @@ class RemoteStage:
 class PerRankDriver(Driver):
     """Runs this rank's share of every step and keeps the ranks in agreement."""
 
+    distributed = True
+
     def __init__(self, topology: Topology, stages: Sequence[Any], skips: Dict[int, Any],
                  data_group: Optional[Any], shared: Sequence[Any], timeout: float,
-                 p2p: str = "tagged", sharded: Optional[Any] = None) -> None:
+                 p2p: str = "tagged", sharded: Optional[Any] = None,
+                 closing_group: Optional[Any] = None,
+                 coordinates: Optional[Dict[str, int]] = None) -> None:
         self.topology = topology
+        self.rank = topology.rank
         self.stages = list(stages)
         self.local = [k for k, owner in enumerate(topology.owner) if owner == topology.rank]
         self.skips = {k: where for k, where in skips.items() if k in self.local}
@@ -75,6 +82,18 @@ class PerRankDriver(Driver):
         self.steps = 0
         self.broken: Optional[str] = None
         self.last_actions: Dict[Any, int] = {}
+        # the close of a training step: every rank's report gathered over the pipeline group,
+        # or over the whole mesh when gradients are sharded (tensor parallel, FSDP), the
+        # replicated copies then counted on the mesh's first replica only (``coordinates``)
+        self.closing_group = closing_group if closing_group is not None else topology.group
+        self.coordinates = coordinates
+        self.syncing = True  # False inside no_sync(): the step's gradients stay local
+        self.unsynced = False  # calls under no_sync() accumulated gradients not yet synced
+        self._deferred: List[Any] = []  # stages whose data-parallel average waits (see below)
+
+    @property
+    def norm_device(self) -> torch.device:
+        return self.topology.device
 
     # ---------------------------------------------------------------- failures
     @contextlib.contextmanager
@@ -88,15 +107,23 @@ class PerRankDriver(Driver):
                                 f"process group and build new pipes")
         try:
             yield
+        except NonFiniteError as error:
+            if not error.agreed:  # raised inside the step (PipeDream): a failure like others
+                self._failed(error)
+            raise  # else every rank raised it at the step's close: the pipe goes on
         except BaseException as error:
-            if self.broken is None:
-                self.broken = f"{type(error).__name__}: {error}"
-            if isinstance(error, PeerLost):  # a rank that exited or never started tells no one
-                self.executor.fail(error.culprit)
-            elif not isinstance(error, PipelineAborted):  # else another rank told everyone
-                self.executor.fail(f"rank {self.topology.rank} (stage {self.topology.stage}) "
-                                   f"failed: {type(error).__name__}: {error}")
+            self._failed(error)
             raise
+
+    def _failed(self, error: BaseException) -> None:
+        """Refuse further steps and tell the other ranks (unless they told this one)."""
+        if self.broken is None:
+            self.broken = f"{type(error).__name__}: {error}"
+        if isinstance(error, PeerLost):  # a rank that exited or never started tells no one
+            self.executor.fail(error.culprit)
+        elif not isinstance(error, PipelineAborted):  # else another rank told everyone
+            self.executor.fail(f"rank {self.topology.rank} (stage {self.topology.stage}) "
+                               f"failed: {type(error).__name__}: {error}")
 
     def forward_grad_mode(self) -> Any:
         return torch.no_grad()
@@ -167,15 +194,17 @@ class PerRankDriver(Driver):
             order_streams(local, before=False)
         if self.sharded is not None:
             self.sharded.after_run(step)
-        if step.train:  # no rank keeps a step another did not finish
-            self.executor.confirm_step(self.timeout)
-        batchnorm.commit(local)
+        batchnorm.commit(local)  # (a training step is confirmed by gather_reports)
 
     def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
         if self.sharded is not None:
             self.sharded.after_action(stage, action)
-        if self.grad_sync is not None and action in self.last_actions:
-            self.grad_sync.launch(stage.parameters(), f"stage {stage.index}")
+        if self.grad_sync is not None and action in self.last_actions and self.syncing:
+            counted = step.token_mean is not None and step.token_mean.active
+            if self.unsynced and counted:  # see finish_gradients
+                self._deferred.append(stage)
+            else:
+                self.grad_sync.launch(stage.parameters(), f"stage {stage.index}")
 
     def timeline(self, recorder: StepRecorder) -> Timeline:
         """Every rank's (start, end) of its actions, on one clock (a collective over the
@@ -213,13 +242,90 @@ class PerRankDriver(Driver):
             return (sums[0] / count if count > 0 else sums[0] * 0).to(dtype), count
         return (sums[0] / self.replicas).to(dtype), None
 
-    def average_gradients(self) -> None:
+    # ---------------------------------------------------------------- gradients
+    def begin_training(self, sync: bool) -> None:
+        """Open the step's gradient window: the gradients of weights tied across ranks are set
+        aside until the step syncs (so only what this window added is summed), and FSDP defers
+        its reduction while ``sync`` is False."""
+        self.syncing = sync
+        self.tied.begin()
+        if self.sharded is not None:
+            self.sharded.syncing = sync
+
+    def finish_gradients(self, step: StepState, count: Optional[float]) -> None:
+        """The step's gradients made final, in an order that keeps accumulation exact: the
+        data-parallel average, the division by the token count of ``(loss_sum, count)`` losses
+        (after the average, which was launched as each stage finished; before it, when calls
+        under ``no_sync()`` left replica-specific gradients that the count must not divide),
+        then the sums of tied weights. Inside ``no_sync()``: only the division."""
+        if count is not None and self.sharded is not None and (self.unsynced or
+                                                               not self.syncing):
+            raise NotImplementedError(
+                "(loss_sum, count) losses inside pipe.no_sync() with data_parallel='fsdp': FSDP "
+                "keeps the unsynced gradients where the count cannot reach them; call "
+                "train_step without no_sync(), or return a mean loss")
+        if not self.syncing:
+            if count is not None:
+                step.token_mean.finish(count, scale=self.replicas)
+            self.unsynced = True
+            return
+        deferred, self._deferred = self._deferred, []
+        if deferred:
+            step.token_mean.finish(count, scale=self.replicas)
+            for stage in deferred:
+                self.grad_sync.launch(stage.parameters(), f"stage {stage.index}")
         if self.grad_sync is not None:
             self.grad_sync.finish()
-
-    def sum_tied_gradients(self) -> None:
+        if count is not None and not deferred:
+            step.token_mean.finish(count, scale=self.replicas)
         self.tied.sum_gradients()
+        self.unsynced = False
 
-    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
-        if scaler is not None:
-            amp.unscale_and_sync(scaler, optimizer, timeout=self.timeout)
+    def check_synced(self, what: str) -> None:
+        if self.unsynced:
+            raise RuntimeError(f"{what}: the gradients of the calls inside pipe.no_sync() are "
+                               f"not synced yet; call it after a train_step outside the block")
+
+    def counted(self, named: Sequence[Tuple[str, Any]]) -> List[grad_norm.Counted]:
+        """This rank's parameters in the model's norm: a tied weight on its home rank only;
+        over a mesh, replicated copies on the first replica only."""
+        return grad_norm.counted(named, self.stage_of(), skip=self.tied.away(),
+                                 coordinates=self.coordinates)
+
+    def gather_reports(self, report: closing.Report) -> List[closing.Report]:
+        """Every rank's report of the step, in one all-gather over the closing group; it
+        returns once every rank has finished its part of the step (a rank that exited or
+        failed during it is named), so no rank keeps a step, or steps an optimizer, that
+        another did not complete."""
+        values = self._all_gather(torch.tensor(report.encode(), dtype=torch.float64),
+                                  "every rank of the pipeline to finish the step")
+        return [closing.Report.decode(v.tolist()) for v in values]
+
+    def name_of(self, culprit: closing.Report, counted: Sequence[grad_norm.Counted]) -> str:
+        """The culprit rank's parameter name, sent to every rank (the error path only)."""
+        mine = (counted[culprit.bad_parameter].name.encode()[:NAME_BYTES]
+                if culprit.rank == self.rank else b"")
+        buffer = torch.zeros(NAME_BYTES, dtype=torch.uint8)
+        buffer[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) \
+            if mine else buffer[:0]
+        names = self._all_gather(buffer, "the name of the non-finite gradient")
+        ranks = dist.get_process_group_ranks(self.closing_group)
+        raw = names[ranks.index(culprit.rank)]
+        return bytes(raw[raw != 0].tolist()).decode(errors="replace")
+
+    def _all_gather(self, value: torch.Tensor, what: str) -> List[torch.Tensor]:
+        """``value`` from every rank of the closing group, in group order (bounded wait)."""
+        self.board.liveness.at(self.steps, f"waiting for {what}")
+        value = value.to(self.topology.device)
+        parts = [torch.empty_like(value) for _ in range(dist.get_world_size(self.closing_group))]
+        try:
+            work = dist.all_gather(parts, value, group=self.closing_group, async_op=True)
+        except RuntimeError as error:
+            raise self.board.lost(f"waiting for {what}", error) from None
+        wait_work(work, self.timeout, what, self.board)
+        self.board.liveness.at(self.steps, "between steps")
+        return [p.cpu() for p in parts]
+
+    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> bool:
+        amp.unscale_and_sync(scaler, optimizer, timeout=self.timeout)
+        return scaler_found_inf(scaler, optimizer)

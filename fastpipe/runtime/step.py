@@ -58,6 +58,8 @@ class StepState:
     handlers: Optional[Dict[ActionKind, Any]] = None  # replaces the executor's table (PipeDream)
     inflight: Dict[int, int] = field(default_factory=dict)  # micro-batches held, per stage
     peak_inflight: Dict[int, int] = field(default_factory=dict)
+    grad_norm: Optional[float] = None  # the whole model's gradient norm, when measured
+    skipped: bool = False  # the optimizer step was skipped (non-finite, or the scaler's verdict)
 
     def __post_init__(self) -> None:
         self.mailboxes: List[Mailbox] = []  # wired by the executor

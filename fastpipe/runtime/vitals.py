@@ -32,12 +32,17 @@ class StepStats:
     host), with ``busy`` seconds of actions on the ``stages`` physical stages this process runs
     (all of a ``Pipe``, one of a ``DistributedPipe`` rank): from the executor's count, or from
     the trace when the step was traced (device time on GPUs); ``None`` for CUDA stages not
-    traced, whose actions the host only launches."""
+    traced, whose actions the host only launches. ``grad_norm``: the whole model's gradient
+    norm when the step measured it (clipping, or the non-finite check), before clipping;
+    ``skipped``: the optimizer step was skipped (a non-finite step under ``nonfinite='skip'``,
+    or a GradScaler's verdict)."""
 
     samples: int
     step_time: float
     busy: Optional[float]
     stages: int
+    grad_norm: Optional[float] = None
+    skipped: bool = False
 
     @property
     def samples_per_second(self) -> float:
@@ -71,7 +76,8 @@ def finish_step(door: Any, step: StepState, samples: int, started: float) -> Non
     labels.warn_if_workers_unseen()
     trace = getattr(door, "_trace", None)
     timeline = trace.timelines[-1] if trace is not None and trace.timelines else None
-    stats = StepStats(samples, now - started, _busy(step, timeline), _local_stages(step))
+    stats = StepStats(samples, now - started, _busy(step, timeline), _local_stages(step),
+                      step.grad_norm, step.skipped)
     object.__setattr__(door, "_last_step", stats)
     if timeline is not None and step.recorder is not None:
         offset = _offset(step, timeline)

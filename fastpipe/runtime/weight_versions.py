@@ -26,11 +26,13 @@ may be): up to the number of stages, on every stage.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
+from ..errors import NonFiniteError
 from ..schedule import Action, ActionKind
 from .step import StepState, backward_action, forward_action
 
@@ -42,9 +44,11 @@ class StageVersions:
     """The weight versions of one stage: the live parameters, kept copies, and their users."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.slots: List[Slot] = [(owner, name, p) for owner in module.modules()
-                                  for name, p in owner._parameters.items()
-                                  if p is not None and p.requires_grad]
+        named = [(f"{prefix}.{name}" if prefix else name, (owner, name, p))
+                 for prefix, owner in module.named_modules()
+                 for name, p in owner._parameters.items() if p is not None and p.requires_grad]
+        self.slots: List[Slot] = [slot for _, slot in named]
+        self.names: List[str] = [qualified for qualified, _ in named]  # the plain model's
         self.version = 0
         self.snapshots: Dict[int, List[nn.Parameter]] = {}
         self.users: Dict[int, int] = {}  # version -> micro-batches in flight that use it
@@ -84,9 +88,14 @@ class StageVersions:
         self.forwarded.add(mb)
 
     def update(self, mb: int, optimizer: Optional[torch.optim.Optimizer],
-               keep: Callable[[int], bool]) -> None:
-        """After micro-batch ``mb``'s backward: step the live parameters with its gradient."""
+               keep: Callable[[int], bool],
+               check: Optional[Callable[[List[nn.Parameter]], None]] = None) -> None:
+        """After micro-batch ``mb``'s backward: step the live parameters with its gradient
+        (``check`` looks at the gradients first and may raise, leaving the weights as they
+        were)."""
         version = self.used.pop(mb)
+        if check is not None:
+            check(self.snapshots[version])
         for live, copy in zip(self.parameters, self.snapshots[version]):
             live.grad, copy.grad = copy.grad, None
         if keep(self.version):
@@ -148,8 +157,12 @@ class PipeDream:
                 raise ValueError("optimizer holds parameters that are not the pipe's; build it "
                                  "from pipe.parameters() for schedule='pipedream'")
 
-    def handlers(self, optimizer: torch.optim.Optimizer) -> Dict[ActionKind, Handler]:
-        """The F and B handlers of one ``train_step`` call."""
+    def handlers(self, optimizer: torch.optim.Optimizer,
+                 nonfinite: str = "ignore") -> Dict[ActionKind, Handler]:
+        """The F and B handlers of one ``train_step`` call. ``nonfinite='raise'``: each stage
+        checks a micro-batch's gradients before it updates with them, and raises
+        ``fastpipe.NonFiniteError`` (the updates of earlier micro-batches stay: PipeDream
+        applies each as it comes)."""
         self.check_optimizer(optimizer)
         views = {s: stage_optimizer(optimizer, v.parameters) for s, v in self.versions.items()}
         self.tags = {}
@@ -167,7 +180,9 @@ class PipeDream:
             versions, mb = self.versions[stage.index], action.microbatch
             with versions.using(versions.used[mb]):
                 backward_action(step, stage, action)
-            versions.update(mb, views[stage.index], self._keeper(stage.index))
+            check = (functools.partial(_check_finite, stage.index, mb, versions)
+                     if nonfinite == "raise" else None)
+            versions.update(mb, views[stage.index], self._keeper(stage.index), check)
 
         return {ActionKind.FORWARD: forward, ActionKind.BACKWARD: backward}
 
@@ -190,6 +205,19 @@ class PipeDream:
             return version >= min([low, *waiting])
 
         return keep
+
+
+def _check_finite(stage: int, mb: int, versions: StageVersions,
+                  copies: Sequence[nn.Parameter]) -> None:
+    """Raise ``NonFiniteError`` if a gradient of micro-batch ``mb`` on ``stage`` is inf or
+    NaN (before the stage updates with it)."""
+    for name, copy in zip(versions.names, copies):
+        if copy.grad is not None and not bool(torch.isfinite(copy.grad).all()):
+            raise NonFiniteError(
+                f"non-finite gradient of {name!r} on stage {stage} for micro-batch {mb}; the "
+                f"stage did not update with it (schedule='pipedream' applies each micro-batch's "
+                f"update as it comes, so earlier ones stay)", stage=stage, microbatch=mb,
+                parameter=name)
 
 
 def check_optimizer_argument(optimizer: Any, asynchronous: bool, scaler: Any) -> None:

@@ -31,6 +31,8 @@ MAGIC = 0x66_70_70_31  # "fpp1"
 HEADER_LEN = 12
 # The dtypes a loss may have, by the code a header carries (the loss comes back in its own dtype).
 LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+NO_LOSS = 255  # the loss dtype code of a header that carries no loss (any loss, NaN included,
+# travels with its own dtype code: a NaN loss is a loss, never "unknown")
 ALIGN = 16  # bytes: every packed tensor starts at a multiple (any dtype can view it)
 
 
@@ -46,15 +48,17 @@ class Header:
     meta_nbytes: int
     payload_nbytes: int
     step: int
-    loss: float = math.nan  # gradients carry their micro-batch's loss back to every rank
+    loss: Optional[float] = None  # gradients carry their micro-batch's loss to every rank
     loss_dtype: torch.dtype = torch.float32
     count: float = -1.0  # with (loss_sum, count) losses: the micro-batch's count (else -1)
 
     def encode(self) -> torch.Tensor:
         return torch.tensor([MAGIC, self.kind, self.microbatch, self.dst_stage,
                              self.num_microbatches, self.batch_size, self.meta_nbytes,
-                             self.payload_nbytes, self.step, _bits(self.loss),
-                             LOSS_DTYPES.index(self.loss_dtype), _bits(self.count)],
+                             self.payload_nbytes, self.step,
+                             _bits(math.nan if self.loss is None else self.loss),
+                             NO_LOSS if self.loss is None else LOSS_DTYPES.index(self.loss_dtype),
+                             _bits(self.count)],
                             dtype=torch.int64)
 
     @classmethod
@@ -63,6 +67,8 @@ class Header:
         if len(raw) != HEADER_LEN or raw[0] != MAGIC:
             raise ValueError(f"corrupt pipeline message header {raw}: the ranks disagree on the "
                              f"schedule or another library uses the same tags")
+        if raw[10] == NO_LOSS:
+            return cls(*raw[1:9], count=_float(raw[11]))
         if not 0 <= raw[10] < len(LOSS_DTYPES):
             raise ValueError(f"corrupt pipeline message header {raw}: unknown loss dtype code")
         return cls(*raw[1:9], loss=_float(raw[9]), loss_dtype=LOSS_DTYPES[raw[10]],
