@@ -8,6 +8,7 @@ torchgpipe's front door over ``Pipe``.
 import torch  # noqa: F401  (loads libtorch before the native library needs it)
 
 from . import balance, distributed, memory, microbatch, nn, ops, schedule, skip, tracing
+from . import checkpoint
 from ._native import FastpipeNativeWarning
 from .apps import models
 from .apps.info import format_info, info
@@ -29,8 +30,8 @@ __all__ = [
     "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "GPipe",
     "LossFunctionError", "NonFiniteError", "Pipe", "PipelineAborted", "PipelineError",
     "PipelineTimeout", "ProcessGroupError", "Schedule", "ScheduleError", "StageFailure",
-    "UncertainWeighting", "__version__", "amp", "balance", "batchnorm", "distributed", "doctor",
-    "format_info", "get_schedule", "info", "init_mesh", "is_checkpointing", "is_recomputing",
-    "memory", "microbatch", "models", "nn", "ops", "profile", "reference_transfer", "schedule",
-    "skip", "tied", "tracing", "transfer",
+    "UncertainWeighting", "__version__", "amp", "balance", "batchnorm", "checkpoint",
+    "distributed", "doctor", "format_info", "get_schedule", "info", "init_mesh",
+    "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
+    "profile", "reference_transfer", "schedule", "skip", "tied", "tracing", "transfer",
 ]

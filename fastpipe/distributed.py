@@ -28,7 +28,7 @@ from . import materialise, tracing
 from .policies import tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
-from .parallel import checkpoint as sharded_state, setup as parallel_setup
+from .parallel import checkpoint as sharded_state, optimizer_names, setup as parallel_setup
 from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
 from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
 from .runtime import backends, weight_versions
@@ -201,6 +201,7 @@ class DistributedPipe(FrontDoor):
                            if self._schedule_name == "pipedream" else None)
         _check_asynchronous(self._pipedream, data_parallel_group, self._driver.tied)
         self._driver.tied.broadcast_initial()
+        optimizer_names.watch(self)  # its optimizers' state_dict() keyed by plain names
 
     # ---------------------------------------------------------------- properties
     @property
@@ -237,6 +238,17 @@ class DistributedPipe(FrontDoor):
         if sharded_state.has_dtensors(self.module):  # TP / FSDP shards: cut or redistributed
             return sharded_state.load(self.module, mine, strict=False)
         return self.module.load_state_dict(mine, strict=False, assign=assign)
+
+    def _checkpoint_names(self) -> Dict[str, str]:
+        """As ``FrontDoor``'s; a copy of a weight tied across ranks is named, on every rank
+        that holds one, by the weight's first name in the plain model (its optimizer state is
+        then one checkpoint entry, whichever ranks hold copies)."""
+        names = super()._checkpoint_names()
+        for tied in self._driver.tied.shared:
+            for name, param in self.named_parameters():
+                if param is tied.local and name in tied.names:
+                    names[name] = tied.names[0]
+        return names
 
     def __repr__(self) -> str:
         return (f"DistributedPipe(rank={self._driver.topology.rank}, stages={list(self.stages)}, "

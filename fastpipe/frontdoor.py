@@ -585,3 +585,14 @@ class FrontDoor(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The state under the plain module's names (its keys, or this rank's share of them)."""
         return self.module.state_dict(*args, **kwargs)
+
+    def _fqn_modifiers(self) -> dict:
+        """The plain module's names are the pipe's: ``torch.distributed.checkpoint.state_dict``
+        (``get_state_dict(pipe, optimizer)``) reads this hook to skip the ``module`` level when
+        it walks the pipe, so its keys are the plain model's FQNs."""
+        return {name: "module" for name in self.module._modules}
+
+    def _checkpoint_names(self) -> dict:
+        """Each parameter's name as ``named_parameters()`` lists it, to its name in the plain
+        model's ``named_parameters()``: the key of its optimizer state in checkpoints."""
+        return {name: name for name, _ in self.named_parameters()}

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,10 +95,14 @@ def transparency(schedules: List[List[Any]], batches: List[int], chunks: int = 4
     return {"worst": worst, "p2p": pipe.p2p}
 
 
-def randomized(seed: int, count: int) -> Dict:
-    """Seeded random (schedule, checkpoint mode, chunks, transport, batch sizes) drawn alike on
-    every rank, each trained for several steps of changing batch sizes against the plain model
-    (loss and every gradient): the transports' size caches and second phases included."""
+def randomized(seed: int, count: int, path: Optional[str] = None) -> Dict:
+    """Seeded random (schedule, checkpoint mode, chunks, transport, batch sizes, clipping,
+    accumulation) drawn alike on every rank, each trained for several steps of changing batch
+    sizes against the plain model (loss and every gradient, clipped by the global norm with
+    ``max_grad_norm``, accumulated over the steps without zeroing): the transports' size
+    caches and second phases included. With ``path``, some take SGD steps (with momentum, the
+    optimizer's state) and resume from a
+    ``fastpipe.checkpoint`` (saved under ``path``) into new pipes after the first step."""
     import random
     rng = random.Random(seed)
     schedules = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "looped-bfs": 2, "zb-h1": 1,
@@ -112,21 +116,57 @@ def randomized(seed: int, count: int) -> Dict:
         chunks = rng.choice([c for c in range(1, 7) if v == 1 or c <= world or c % world == 0])
         p2p = rng.choice(["tagged", "grouped"])
         batches = [rng.randint(chunks, 11) for _ in range(3)]  # uneven micro-batches
+        clip = rng.choice([None, 0.05, 10.0])  # clips, or not
+        resume = path is not None and rng.random() < 0.4
+        accumulate = not resume and rng.random() < 0.5
         depth = max(8, 2 * dist.get_world_size() * v)
         plain = model(depth=depth)
-        pipe = DistributedPipe(model(depth=depth), chunks=chunks, schedule=name, checkpoint=mode,
-                               virtual_stages=v, timeout=30, p2p=p2p)
+
+        def build(source: nn.Module) -> tuple:
+            pipe = DistributedPipe(source, chunks=chunks, schedule=name, checkpoint=mode,
+                                   virtual_stages=v, timeout=30, p2p=p2p)
+            return pipe, (torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9) if resume
+                          else None)
+
+        pipe, opt = build(model(depth=depth))
+        # SGD with momentum: Adam would magnify rounding in gradients near zero past TOL
+        opt_ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9) if resume else None
         last = len(pipe.balance) - 1
         for step, batch in enumerate(batches):
             x, y = data(batch, seed=seed + step)
-            ref_loss, ref = reference_grads(plain, x, y)
-            pipe.zero_grad(set_to_none=True)
+            if resume and step == 1:  # saved by every rank, loaded into new pipes
+                directory = os.path.join(path, f"{len(drawn)}")
+                fastpipe.checkpoint.save(directory, pipe, opt)
+                torch.manual_seed(len(drawn))
+                fresh = model(depth=depth)
+                for p in fresh.parameters():  # other values: the load must set them all
+                    nn.init.normal_(p)
+                pipe, opt = build(fresh)
+                fastpipe.checkpoint.load(directory, pipe, opt)
+            if not accumulate:
+                plain.zero_grad(set_to_none=True)
+                pipe.zero_grad(set_to_none=True)
+            ref_loss = nn.functional.mse_loss(plain(x), y)
+            ref_loss.backward()
+            if clip is not None:
+                ref_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), clip))
             loss = pipe.train_step(x if 0 in pipe.stages else None,
-                                   y if last in pipe.stages else None, nn.functional.mse_loss)
-            where = f"seed {seed}: {name} {mode} chunks={chunks} {p2p} batch={batch}"
-            torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{where}: {m}")
-            check_grads(pipe, ref, where)
-        drawn.append([name, mode, chunks, p2p, batches])
+                                   y if last in pipe.stages else None, nn.functional.mse_loss,
+                                   max_grad_norm=clip, optimizer=opt)
+            where = (f"seed {seed}: {name} {mode} chunks={chunks} {p2p} batch={batch} "
+                     f"clip={clip} accumulate={accumulate}")
+            torch.testing.assert_close(loss, ref_loss.detach(), **TOL,
+                                       msg=lambda m: f"{where}: {m}")
+            if clip is not None:
+                assert abs(pipe.last_step.grad_norm - ref_norm) <= 1e-5 * ref_norm, where
+            check_grads(pipe, {n: p.grad for n, p in plain.named_parameters()}, where)
+            if opt_ref is not None:
+                opt_ref.step()
+                after = dict(plain.named_parameters())
+                for n, p in pipe.named_parameters():
+                    torch.testing.assert_close(p, after[n], **TOL,
+                                               msg=lambda m: f"{where}: parameter {n}: {m}")
+        drawn.append([name, mode, chunks, p2p, batches, clip, accumulate, resume])
     return {"drawn": drawn}
 
 

@@ -148,7 +148,7 @@ LAYERS = [
     ("fastpipe.parallel",),
     ("fastpipe.frontdoor",),
     ("fastpipe.pipe", "fastpipe.distributed", "fastpipe.compat"),
-    ("fastpipe.diagnosis",),
+    ("fastpipe.diagnosis", "fastpipe.checkpoint"),
     ("fastpipe.apps",),
     ("fastpipe", "fastpipe.__main__"),
 ]

@@ -285,11 +285,14 @@ def test_the_readme_snippet_style_bare_init_runs_under_torchrun(tmp_path):
 
 
 @pytest.mark.parametrize("world, seed", [(2, 11), (3, 12)])
-def test_randomized_transparency_across_processes(world, seed):
-    """Seeded random schedules, checkpoint modes, chunk counts and transports, each over three
-    steps of changing batch sizes, against the plain model on every rank."""
+def test_randomized_transparency_across_processes(world, seed, tmp_path):
+    """Seeded random schedules, checkpoint modes, chunk counts, transports, global clipping,
+    accumulation and resumes from a checkpoint, each over three steps of changing batch sizes,
+    against the plain model on every rank."""
     results = assert_all_ok(launch("randomized", world, limit=240,
-                                   args={"seed": seed, "count": 8}))
+                                   args={"seed": seed, "count": 8, "path": str(tmp_path)}))
     drawn = results[0]["drawn"]
     assert all(r["drawn"] == drawn for r in results)  # every rank drew the same configurations
     assert {d[3] for d in drawn} == {"tagged", "grouped"}
+    assert any(d[5] is not None for d in drawn) and any(d[6] for d in drawn)  # clip, accumulate
+    assert any(d[7] for d in drawn)  # a resume

@@ -5,12 +5,15 @@ models are traced (a module with a block list, ``split_points='auto'``) and some
 
 The configurations are drawn once from a fixed seed, so a failure names a reproducible case. A
 wrong gradient that depends on the memory layout (a saved tensor mistaken for another) shows up
-here as well as a wrong schedule does: steps repeat with fresh batches of changing sizes.
+here as well as a wrong schedule does: steps repeat with fresh batches of changing sizes. Some
+configurations clip by the global norm (``max_grad_norm``, against torch's clip on the plain
+model), accumulate gradients over the steps without zeroing, or take AdamW steps and resume
+from a ``fastpipe.checkpoint`` into a new pipe after the first step.
 """
 import copy
 import random
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from torch import nn
 import fastpipe
 from fastpipe.microbatch import split_sizes
 from fastpipe.schedule import ScheduleError
-from helpers import assert_same_grads, grads_of, reference
+from helpers import assert_same_grads, grads_of
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "looped-bfs": 2, "zb-h1": 1, "zbv": 2,
              "dualpipev": 2}
@@ -41,12 +44,18 @@ class Config:
     seed: int
     traced: bool = False  # the model as a module with a block list, traced (split_points)
     token: bool = False  # loss_fn returns (loss_sum, count) over masked targets
+    clip: Optional[float] = None  # train_step(max_grad_norm=...)
+    accumulate: bool = False  # gradients accumulate over the steps (no zero_grad)
+    resume: bool = False  # AdamW steps; saved after the first, resumed into a new pipe
 
     def __str__(self) -> str:
         return (f"{self.schedule}-v{self.virtual}-{self.checkpoint}-p{self.stages}-"
                 f"m{self.chunks}-b{'.'.join(map(str, self.batches))}-"
                 f"{str(self.dtype)[6:]}{'-traced' if self.traced else ''}"
-                f"{'-token' if self.token else ''}-{self.seed}")
+                f"{'-token' if self.token else ''}"
+                f"{f'-clip{self.clip:g}' if self.clip is not None else ''}"
+                f"{'-accumulate' if self.accumulate else ''}"
+                f"{'-resume' if self.resume else ''}-{self.seed}")
 
 
 def _draw(rng: random.Random, seed: int) -> Config:
@@ -62,6 +71,9 @@ def _draw(rng: random.Random, seed: int) -> Config:
                     rng.choice([torch.float32, torch.float64]), seed)
     config.traced = rng.random() < 0.25  # tracing costs about a second: a quarter of them
     config.token = rng.random() < 0.5
+    config.clip = rng.choice([None, 0.05, 10.0])
+    config.resume = rng.random() < 0.3
+    config.accumulate = not config.resume and rng.random() < 0.5  # a resume starts with none
     return config
 
 
@@ -120,37 +132,71 @@ def token_mean(output: torch.Tensor, targets: tuple) -> torch.Tensor:
     return total / count
 
 
+def _pipe(config: Config, model: nn.Module, example: torch.Tensor) -> fastpipe.Pipe:
+    return fastpipe.Pipe(model, chunks=config.chunks, devices=["cpu"] * config.stages,
+                         schedule=config.schedule, virtual_stages=config.virtual,
+                         checkpoint=config.checkpoint,
+                         split_points="auto" if config.traced else None,
+                         example_inputs=example if config.traced else None)
+
+
+def _resumed(config: Config, pipe: fastpipe.Pipe, optimizer: torch.optim.Optimizer,
+             example: torch.Tensor, directory: str) -> tuple:
+    """A new pipe (of a model initialised otherwise) and optimizer, loaded from a checkpoint
+    of ``pipe`` and ``optimizer``."""
+    fastpipe.checkpoint.save(directory, pipe, optimizer)
+    torch.manual_seed(config.seed + 1)
+    model = _model(config)
+    if config.traced:
+        model = model.to(config.dtype)
+    other = _pipe(config, model, example)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    fastpipe.checkpoint.load(directory, other, other_optimizer)
+    return model, other, other_optimizer
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
-def test_random_configuration_matches_the_plain_model(config):
+def test_random_configuration_matches_the_plain_model(config, tmp_path):
     model = _model(config)
     plain = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(config.seed)
     example = torch.randn(config.batches[0], config.width, dtype=config.dtype)
     try:
-        pipe = fastpipe.Pipe(model, chunks=config.chunks, devices=["cpu"] * config.stages,
-                             schedule=config.schedule, virtual_stages=config.virtual,
-                             checkpoint=config.checkpoint,
-                             split_points="auto" if config.traced else None,
-                             example_inputs=example if config.traced else None)
+        pipe = _pipe(config, model, example)
     except (ValueError, ScheduleError) as error:  # a layout this schedule cannot run
         pytest.skip(f"layout refused as expected by the schedule: {error}")
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2) if config.resume else None
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2) if config.resume else None
     dropout = "linear-dropout-gelu" in config.blocks
-    for batch in config.batches:
+    tolerance = dict(rtol=1e-5, atol=1e-6) if config.dtype == torch.float32 else \
+        dict(rtol=1e-10, atol=1e-12)
+    for step, batch in enumerate(config.batches):
         x = torch.randn(batch, config.width, generator=generator, dtype=config.dtype)
         y = torch.randn(batch, 3, generator=generator, dtype=config.dtype)
         mask = (torch.rand(batch, 3, generator=generator) < 0.6).to(config.dtype)
         mask[0, 0] = 1.0  # at least one counted element
+        if config.resume and step == 1:
+            model, pipe, optimizer = _resumed(config, pipe, optimizer, example,
+                                              str(tmp_path / "checkpoint"))
         if dropout:  # the plain model cannot replay per-micro-batch dropout: compare in eval
             pipe.eval(), plain.eval()
-        pipe.zero_grad(set_to_none=True)
-        if config.token:  # a mean over the counted elements of the whole batch
-            expected_loss, expected = reference(plain, x, (y, mask), token_mean)
-            loss = pipe.train_step(x, (y, mask), token_sum)
-        else:
-            expected_loss, expected = reference(plain, x, y, nn.MSELoss())
-            loss = pipe.train_step(x, y, nn.MSELoss())
+        if not config.accumulate:
+            pipe.zero_grad(set_to_none=True)
+            plain.zero_grad(set_to_none=True)
+        targets, loss_fn, plain_loss = ((y, mask), token_sum, token_mean) if config.token \
+            else (y, nn.MSELoss(), nn.MSELoss())
+        expected_loss = plain_loss(plain(x), targets)
+        expected_loss.backward()
+        if config.clip is not None:
+            expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), config.clip)
+        loss = pipe.train_step(x, targets, loss_fn, max_grad_norm=config.clip,
+                               optimizer=optimizer)
         assert loss.dtype == config.dtype
-        tolerance = dict(rtol=1e-5, atol=1e-6) if config.dtype == torch.float32 else \
-            dict(rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(loss, expected_loss, **tolerance)
-        assert_same_grads(grads_of(model), expected, **tolerance)
+        torch.testing.assert_close(loss, expected_loss.detach(), **tolerance)
+        if config.clip is not None:
+            assert pipe.last_step.grad_norm == pytest.approx(float(expected_norm), rel=1e-6)
+        assert_same_grads(grads_of(model), grads_of(plain), **tolerance)
+        if plain_optimizer is not None:
+            plain_optimizer.step()
+            for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+                torch.testing.assert_close(p, q, **tolerance, msg=lambda m: f"{name}: {m}")
