@@ -32,6 +32,7 @@ from .parallel import checkpoint as sharded_state, optimizer_names, setup as par
 from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
 from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
 from .runtime import backends, weight_versions
+from .runtime.backends import init_process_group  # noqa: F401 - safe under torchrun restarts
 from .runtime.dist_executor import Topology
 from .runtime.per_rank import PerRankDriver, RemoteStage
 from .runtime.stage import Stage

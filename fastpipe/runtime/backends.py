@@ -5,9 +5,12 @@ rank's stages use, and which point-to-point transport runs on it.
 tensors (and reports ``'undefined'``); ``backend='cpu:gloo,cuda:nccl'`` says the same
 explicitly; ``'nccl'`` and ``'gloo'`` carry one device type each (gloo's point-to-point ops take
 CPU tensors only). A ``DeviceMesh`` dimension stands for its process group.
+:func:`init_process_group` builds the default group so that a job ``torchrun`` restarts finds
+no key of an earlier attempt in its store.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -23,6 +26,39 @@ P2P_MODES = ("auto", "tagged", "grouped")
 when needed, matched by tags (gloo only: it relies on tags and buffered sends); ``'grouped'``
 runs the NCCL program (``fastpipe.schedule.lower_nccl``: one group per round, exact sizes),
 on NCCL or gloo; ``'auto'``: ``'grouped'`` on CUDA devices, ``'tagged'`` on the CPU."""
+
+
+def attempt_scope() -> str:
+    """The prefix that sets this attempt of a ``torchrun`` job apart in the job's key-value
+    store: ``'attempt<N>/'`` (N: ``TORCHELASTIC_RESTART_COUNT``) when the ranks use the elastic
+    agent's store, which outlives the ranks and so holds every earlier attempt's keys; ``''``
+    elsewhere (a store that lives as long as its ranks, as with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, holds no earlier attempt's keys)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ""
+    return f"attempt{int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))}/"
+
+
+def init_process_group(backend: Optional[str] = None, *,
+                       timeout: Optional[datetime.timedelta] = None, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` from torchrun's environment, safe to restart:
+    under the elastic agent's store every key the process groups write goes under
+    :func:`attempt_scope`. torch's own ``init_process_group()`` writes fixed keys (the gloo
+    and NCCL addresses of each rank) into that store, which every attempt of the job shares,
+    so the ranks of a restarted attempt may read the addresses of the previous attempt's dead
+    processes and fail (gloo: ``connectFullMesh failed ... Connection refused``) or hang.
+    ``kwargs`` go to ``init_process_group`` (``device_id``, ``pg_options``, ...)."""
+    scope = attempt_scope()
+    if not scope or "store" in kwargs or kwargs.get("init_method") not in (None, "env://"):
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+        return
+    kwargs.pop("init_method", None)
+    wait = timeout or dist.constants.default_pg_timeout
+    store, rank, world_size = next(dist.rendezvous(
+        "env://", kwargs.pop("rank", -1), kwargs.pop("world_size", -1), timeout=wait))
+    store.set_timeout(wait)
+    dist.init_process_group(backend, store=dist.PrefixStore(scope, store), rank=rank,
+                            world_size=world_size, timeout=timeout, **kwargs)
 
 
 def as_group(group: Any, argument: str) -> Any:

@@ -4,6 +4,8 @@ A rank that fails writes one line to the process group's key-value store (the "b
 other rank checks the board while it waits, so it stops within a fraction of a second with an
 error naming the rank that failed, instead of waiting for a message that will never come. A
 rank that dies without writing (killed) is caught by its peers' receive errors or timeouts.
+The keys of a pipe go under ``fastpipe/[attempt<N>/]pipe<K>/``: under torchrun's agent store,
+which every attempt of a restarted job shares, a new attempt never reads an old one's notices.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from ..errors import PeerLost, PipelineAborted, PipelineError, PipelineTimeout
-from .liveness import Liveness
+from .backends import attempt_scope
+from .liveness import Liveness, unreachable
 
 CHECK_EVERY = 0.2  # seconds between looks at the board while waiting
 
@@ -23,6 +26,7 @@ class Board:
 
     def __init__(self, name: str, rank: int, store: Optional[Any] = None,
                  ranks: Sequence[int] = ()) -> None:
+        name = attempt_scope() + name
         self.key = f"fastpipe/{name}/abort"
         self.rank = rank
         self.store = store if store is not None else _default_store()
@@ -48,8 +52,7 @@ class Board:
             if self.store.check([self.key]):
                 self._seen = self.store.get(self.key).decode()
         except Exception as error:  # noqa: BLE001 - a lost store means a lost job
-            self._seen = (f"the job's key-value store is unreachable (the process hosting it "
-                          f"has exited or the network failed: {error})")
+            self._seen = unreachable(error)
         return self._seen
 
     def share(self, facts: str) -> None:

@@ -12,6 +12,7 @@ wakes when the state changes.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -140,15 +141,17 @@ class Liveness:
         return self._beater.state[0] if self._beater is not None else 0
 
     def _read(self) -> Dict[int, Optional[Record]]:
+        """Every other rank's record (``None``: it never wrote one). Raises what the store
+        raised when it cannot be reached."""
         records: Dict[int, Optional[Record]] = {}
         for rank in self.ranks:
             if rank == self.rank:
                 continue
             key = self._key("alive", rank)
+            text = self.store.get(key).decode() if self.store.check([key]) else None
             try:
-                records[rank] = (Record.decode(self.store.get(key).decode())
-                                 if self.store.check([key]) else None)
-            except Exception:  # noqa: BLE001 - an unreadable record tells nothing
+                records[rank] = Record.decode(text) if text is not None else None
+            except ValueError:  # a record of another format tells nothing
                 records[rank] = None
         return records
 
@@ -158,9 +161,12 @@ class Liveness:
         record is read twice to see whether its rank still beats."""
         if self.store is None:
             return None
-        first = self._read()
-        time.sleep(STALE_AFTER)
-        second = self._read()
+        try:
+            first = self._read()
+            time.sleep(STALE_AFTER)
+            second = self._read()
+        except Exception as error:  # noqa: BLE001 - no store: every record is out of reach
+            return unreachable(error)
         found: List[Tuple[int, int, str]] = []  # (priority, rank, sentence)
         for rank, now in second.items():
             verdict = _verdict(rank, first.get(rank), now, self.step)
@@ -170,6 +176,22 @@ class Liveness:
             return None
         found.sort(key=lambda f: (f[0], f[1] != waited_on, f[1]))
         return found[0][2]
+
+
+def unreachable(error: BaseException) -> str:
+    """Why the job's key-value store cannot be reached, naming the process that hosts it when
+    torchrun's environment tells: rank 0 when the ranks host it themselves (``torchrun`` with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), else torchrun's agent on the first machine."""
+    hosted_by = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    if hosted_by == "False":
+        host = "rank 0, which hosts the job's key-value store, exited or became unreachable"
+    elif hosted_by == "True":
+        host = ("the job's key-value store is unreachable (torchrun's agent that hosts it, on "
+                "the first machine, exited, or the network failed)")
+    else:
+        host = ("the job's key-value store is unreachable (the process hosting it has exited "
+                "or the network failed)")
+    return f"{host}: {error}"
 
 
 def _verdict(rank: int, before: Optional[Record], now: Optional[Record],
