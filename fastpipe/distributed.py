@@ -25,12 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from . import materialise, tracing
-from .policies import tied as tied_weights
+from .policies import compile as compiling, tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
 from .parallel import checkpoint as sharded_state, optimizer_names, setup as parallel_setup
 from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
-from .placement import auto_balance, check_balance, layer_names, resolve_virtual_stages
+from .placement import (StagesStayPut, auto_balance, check_balance, layer_names,
+                        resolve_virtual_stages)
 from .runtime import backends, weight_versions
 from .runtime.backends import init_process_group  # noqa: F401 - safe under torchrun restarts
 from .runtime.dist_executor import Topology
@@ -44,7 +45,7 @@ LayerFactory = Callable[[], nn.Module]
 Layers = Union[nn.Sequential, Sequence[LayerFactory]]
 
 
-class DistributedPipe(FrontDoor):
+class DistributedPipe(StagesStayPut, FrontDoor):
     """A pipeline whose stages live in different processes (one rank per pipeline stage).
 
     Args:
@@ -110,8 +111,17 @@ class DistributedPipe(FrontDoor):
             ``'fsdp'``: every stage sharded with FSDP2 over ``shard`` (or ``data``; over both,
             hybrid), gradients reduced once per step after the stage's last backward
             (``fastpipe.parallel.fsdp``). Not with ``schedule='pipedream'`` or tied weights.
+        compile: as in ``Pipe``: ``True`` or a dict of ``torch.compile`` options compiles
+            each of this rank's stages in place; a model in ``torch.compile`` (or with compiled
+            submodules) is unwrapped, names stay plain. Not with ``checkpoint='selective'``,
+            ``tensor_parallel`` or ``data_parallel='fsdp'``.
+
+    Casts (``.to(torch.bfloat16)``, ``.half()``, ``.to(device, dtype)`` on this rank's device)
+    apply to this rank's layers; a move (``.to(device)``, ``.cuda()``, ``.cpu()``) raises
+    ``TypeError``.
     """
 
+    @compiling.takes_compiled
     def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last", *,
                  virtual_stages: Optional[int] = None, process_group: Optional[Any] = None,
@@ -123,8 +133,10 @@ class DistributedPipe(FrontDoor):
                  init_weights: Optional[Callable[[nn.Module], Any]] = None,
                  mesh: Optional[Mesh] = None,
                  tensor_parallel: Optional[parallel_setup.tensor.Plan] = None,
-                 data_parallel: str = "replicate") -> None:
+                 data_parallel: str = "replicate",
+                 compile: Union[bool, Dict[str, Any]] = False) -> None:
         super().__init__()
+        compiler = compiling.check(compile)  # as takes_compiled resolved it
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (under torchrun the "
@@ -147,6 +159,7 @@ class DistributedPipe(FrontDoor):
         layers = _check_layers(module)
         layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
                               deferred_batch_norm)
+        compiling.check_modes(compiler, checkpoint=layout.checkpoint, sharded=par.active)
         tie_groups = _check_tied(module, tied)
         self._group = process_group if process_group is not None else dist.group.WORLD
         self._device = backends.resolve_device(device, self._group)
@@ -186,7 +199,8 @@ class DistributedPipe(FrontDoor):
             kept.update(part)
             stage_module = par.apply(k, nn.Sequential(part))  # TP, FSDP (if any) in place
             stages.append(Stage(k, stage_module, self._device,
-                                deferred_batch_norm=layout.deferred_batch_norm))
+                                deferred_batch_norm=layout.deferred_batch_norm,
+                                compiler=compiler))
         _no_skips_in_factories(module, kept)
         self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
         if traced is not None:  # this rank's parameters and buffers under the module's names
@@ -224,6 +238,9 @@ class DistributedPipe(FrontDoor):
     def num_stages(self) -> int:
         """Physical stages: the ranks of the pipeline's process group."""
         return dist.get_world_size(self._group)
+
+    def _placement(self) -> Tuple[Sequence[torch.device], str]:
+        return [self._device], "DistributedPipe(device=...)"
 
     # ---------------------------------------------------------------- plain-module names
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

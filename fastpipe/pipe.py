@@ -7,17 +7,17 @@ accumulating exactly the gradients that the unsplit module gives on the whole ba
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from . import tracing
-from .policies import tied as tied_weights
+from .policies import compile as compiling, tied as tied_weights
 from .frontdoor import FrontDoor, parse_layout
-from .placement import (Device, auto_balance, check_balance, check_chunk_count, check_flag,
-                        check_materialised, check_module, check_workers, default_partitions,
-                        resolve_devices, resolve_virtual_stages, split)
+from .placement import (Device, StagesStayPut, auto_balance, check_balance, check_chunk_count,
+                        check_flag, check_materialised, check_module, check_workers,
+                        default_partitions, resolve_devices, resolve_virtual_stages, split)
 from .runtime import graphs, weight_versions
 from .runtime.inprocess import InProcessDriver
 from .runtime.stage import Stage
@@ -25,11 +25,13 @@ from .runtime.workers import WorkerPolicy
 from .skip import exchange as skip_exchange, layout as skip_layout
 
 
-class Pipe(FrontDoor):
+class Pipe(StagesStayPut, FrontDoor):
     """A pipeline-parallel wrapper of an ``nn.Sequential``.
 
     Args:
         module: the model, an ``nn.Sequential``; its layers are moved to the stages' devices.
+            A model in ``torch.compile`` is taken out of it (its stages are compiled with its
+            options), and so are compiled submodules (see ``compile``): names stay plain.
         chunks: number of micro-batches each batch is split into (``torch.chunk`` semantics: a
             batch of 5 in 4 chunks gives micro-batches of 2, 2 and 1). ``'auto'``: the first
             training steps measure the throughput of candidate counts and the pipe keeps the
@@ -81,8 +83,20 @@ class Pipe(FrontDoor):
             stay the module's own.
         example_inputs: the batch the module is traced on (a tensor, a tuple of positional
             inputs, a dict of keyword inputs); required for a module other than a Sequential.
+        compile: ``True``, or a dict of ``torch.compile`` options (``{'backend': 'aot_eager'}``,
+            ``{'mode': 'max-autotune'}``): each stage's module is compiled in place (the first
+            step compiles; names, hooks and wrappers unchanged, see
+            ``fastpipe.policies.compile``). Submodules given in ``torch.compile`` are then
+            compiled as part of their stage; with ``False`` (default) they stay compiled alone.
+            Not with ``checkpoint='selective'`` or ``cuda_graphs=True``.
+
+    The pipe casts like a module (``pipe.to(torch.bfloat16)``, ``.to(dtype=...)``,
+    ``.half()``, ``.to(device, dtype)`` on the stages' own device), but its stages stay on their
+    devices: a move (``.to(device)``, ``.to(tensor)``, ``.cuda()``, ``.cpu()``) raises
+    ``TypeError``, as in torchgpipe.
     """
 
+    @compiling.takes_compiled
     def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
@@ -90,8 +104,10 @@ class Pipe(FrontDoor):
                  timeout: float = 300.0, cpu_workers: Optional[int] = None,
                  deferred_batch_norm: bool = False, tied: Sequence[Sequence[Any]] = (),
                  vertical_sync: bool = False, cuda_graphs: bool = False,
-                 split_points: Optional[Any] = None, example_inputs: Optional[Any] = None) -> None:
+                 split_points: Optional[Any] = None, example_inputs: Optional[Any] = None,
+                 compile: Union[bool, Dict[str, Any]] = False) -> None:
         super().__init__()
+        compiler = compiling.check(compile)  # as takes_compiled resolved it
         traced = module if tracing.wanted(module, split_points) else None
         if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
             check_materialised(traced)
@@ -105,6 +121,7 @@ class Pipe(FrontDoor):
                               deferred_batch_norm)
         workers = check_workers(cpu_workers)
         use_graphs = check_flag(cuda_graphs, "cuda_graphs")
+        compiling.check_modes(compiler, checkpoint=layout.checkpoint, cuda_graphs=use_graphs)
         v = layout.virtual_stages
         if len(module) < v:
             raise ValueError(f"virtual_stages={v} needs at least {v} layers per device but the "
@@ -130,7 +147,8 @@ class Pipe(FrontDoor):
             part.to(device)
         object.__setattr__(self, "_partitions", nn.ModuleList(parts))
         object.__setattr__(self, "_stages", [
-            Stage(k, part, device, deferred_batch_norm=layout.deferred_batch_norm)
+            Stage(k, part, device, deferred_batch_norm=layout.deferred_batch_norm,
+                  compiler=compiler)
             for k, (part, device) in enumerate(zip(parts, where))])
         tied_grads = tied_weights.bind(self._stages, tied_weights.find(module, layout.balance))
         skip_exchange.wire(self._stages, skips)
@@ -170,11 +188,8 @@ class Pipe(FrontDoor):
         """Load a plain module's state dict; tensors are copied onto each stage's device."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def _deny_move(self, *args: Any, **kwargs: Any) -> "Pipe":
-        raise TypeError("a Pipe's stages live on their own devices and cannot be moved as one; "
-                        "choose the placement with Pipe(devices=...)")
-
-    to = cuda = cpu = _deny_move  # type: ignore[assignment]
+    def _placement(self) -> Tuple[Sequence[torch.device], str]:
+        return self._devices, "Pipe(devices=...)"
 
     def __repr__(self) -> str:
         layout = ", ".join(f"{b}@{d}" for b, d in zip(self.balance, self._devices))

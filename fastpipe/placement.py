@@ -6,7 +6,7 @@ was. Each error names the argument and says how to fix it.
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -229,3 +229,102 @@ def check_chunk_count(chunks: int, virtual_stages: int) -> int:
                          f"virtual_stages={virtual_stages}; give one layer count per model chunk "
                          f"(devices x virtual_stages entries)")
     return chunks // virtual_stages
+
+
+# -------------------------------------------------------------------- casts, not moves
+class StagesStayPut:
+    """``to`` and the device moves of ``nn.Module`` (``cuda``, ``cpu``, ...) for a front door
+    whose stages were placed at construction.
+
+    A cast (``.to(torch.bfloat16)``, ``.to(dtype=...)``, ``.to(memory_format=...)``, ``.half()``)
+    applies to every stage's tensors in place: each parameter and buffer stays the same tensor
+    object, so the stages (traced ones hold buffers of their own), tied weights and an
+    optimizer built over the parameters keep holding them. A move is refused (``TypeError``),
+    as torchgpipe refuses it: ``.cuda()``, ``.cpu()``, ``.to(device)``, ``.to(tensor)``. A
+    cast that names the device every stage of this process already lives on,
+    ``.to(device, dtype)``, is a cast. The front door says where its stages are and which
+    argument placed them (``_placement``).
+    """
+
+    def _placement(self) -> Tuple[Sequence[torch.device], str]:
+        """The devices of this process's stages, and the argument that chooses them."""
+        raise NotImplementedError  # pragma: no cover - each front door says
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """Cast every stage's parameters and buffers (``dtype``, ``memory_format``); a device
+        is accepted only where every stage already is (see the class)."""
+        try:
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except RuntimeError as error:  # a device this machine does not have
+            raise self._move_refused(", ".join([*map(repr, args), *(
+                f"{k}={v!r}" for k, v in kwargs.items())]), f" ({error})") from None
+        cast = {name: value for name, value in (("dtype", dtype), ("memory_format", memory_format))
+                if value is not None}
+        if device is not None:
+            with_tensor = "tensor" in kwargs or any(isinstance(a, torch.Tensor) for a in args)
+            if with_tensor or not cast:  # a move (torchgpipe refuses it even when it is none)
+                raise self._move_refused(str(device))
+            self._stay(device)
+        if not cast:
+            return self
+        return super().to(non_blocking=non_blocking, **cast)  # type: ignore[misc]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (what every cast runs), keeping each buffer the same tensor:
+        ``nn.Module`` replaces buffers, which stages holding them elsewhere would not see."""
+        if torch.__future__.get_overwrite_module_params_on_conversion():
+            raise RuntimeError("torch.__future__.set_overwrite_module_params_on_conversion(True) "
+                               "makes a cast replace every Parameter, which the stages (and "
+                               "tied weights) share; cast the model before building the "
+                               "pipeline, or leave that setting off")
+        held = [(module, name, tensor) for module in self.modules()  # type: ignore[attr-defined]
+                for name, tensor in module._buffers.items() if tensor is not None]
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for module, name, old in held:
+            new = module._buffers.get(name)
+            if new is not None and new is not old:
+                old.data = new
+                module._buffers[name] = old
+        return result
+
+    def cuda(self, device: Optional[Union[int, torch.device]] = None) -> Any:
+        """Refused: a move (see the class)."""
+        raise self._move_refused("cuda" if device is None else f"cuda:{device}")
+
+    def cpu(self) -> Any:
+        """Refused: a move (see the class)."""
+        raise self._move_refused("cpu")
+
+    def to_empty(self, *, device: Optional[Device], recurse: bool = True) -> Any:
+        """Fresh (uninitialised) memory for every tensor, on the stages' own device only."""
+        if device is not None:
+            self._stay(torch.device(device))
+        return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
+
+    def _move_elsewhere(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._move_refused("another device type")
+
+    xpu = ipu = mtia = _move_elsewhere  # fastpipe places stages on 'cpu' and 'cuda' only
+
+    def _stay(self, target: torch.device) -> None:
+        devices, _ = self._placement()
+        if not all(_same_device(target, d) for d in devices):
+            raise self._move_refused(str(target))
+
+    def _move_refused(self, target: str, detail: str = "") -> TypeError:
+        devices, argument = self._placement()
+        where = ", ".join(str(d) for d in devices)
+        return TypeError(f"a {type(self).__name__}'s stages live on their own devices ({where}) "
+                         f"and cannot be moved as one (to {target}){detail}; choose the "
+                         f"placement with {argument}; casts such as .to(torch.bfloat16) are "
+                         f"fine")
+
+
+def _same_device(target: torch.device, device: torch.device) -> bool:
+    """Whether ``target`` (its index may be left out) names ``device``."""
+    if target.type != device.type:
+        return False
+    if target.type == "cpu" or target.index == device.index:
+        return True
+    return (target.index is None and torch.cuda.is_available()
+            and torch.cuda.current_device() == device.index)

@@ -107,7 +107,7 @@ def test_properties_and_plain_names():
     with pytest.raises(AttributeError):
         pipe.balance = (3, 3)
     with pytest.raises(TypeError, match="cannot be moved"):
-        pipe.to("cpu")
+        pipe.to("cpu")  # a move, even to where the stages are (as torchgpipe refuses it)
     assert str(pipe.plan().actions[0][0]) == "0F0"
 
 

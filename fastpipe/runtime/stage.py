@@ -9,6 +9,7 @@ from torch import nn
 
 from ..policies.amp import autocast_regions, autocast_state
 from ..policies.batchnorm import DeferredNorms
+from ..policies import compile as compiling
 from ..policies.checkpoint import RngReplay, checkpointed, is_recomputing
 
 
@@ -19,19 +20,23 @@ class Stage:
     """A contiguous slice of the model placed on one device (a virtual stage of the pipeline)."""
 
     def __init__(self, index: int, module: nn.Sequential, device: torch.device, *,
-                 deferred_batch_norm: bool = False) -> None:
+                 deferred_batch_norm: bool = False,
+                 compiler: Optional[compiling.Compiler] = None) -> None:
         self.index = index
         self.module = module
+        # compiled in place: ``module(...)`` runs compiled code, whoever calls it (``call`` or a
+        # wrapper of it), under the same names (fastpipe.policies.compile)
+        self.compiled = compiler is not None
+        if compiler is not None:
+            compiling.compile_module(module, compiler, f"fastpipe_stage_{index}")
         self.device = device
         self.rng = RngReplay(device)
         self.stream: Optional["torch.cuda.Stream"] = (
             torch.cuda.Stream(device) if device.type == "cuda" else None)
         self._norms = [m for m in module.modules()
                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-        # what a recomputation must not update twice: running statistics of batch norms, and the
-        # buffers that traced graphs update in place (fastpipe.tracing)
-        self._running = [b for m in self._norms for b in _stats(m)] + [
-            b for m in module.modules() for b in getattr(m, "mutated_buffers", ())]
+        # whether a recomputation could update buffers twice (see ``_running``)
+        self._keeps_running = bool(self._running())
         # batch-norm running statistics updated once per mini-batch (see fastpipe.batchnorm)
         self.deferred: Optional[DeferredNorms] = (
             DeferredNorms(module) if deferred_batch_norm else None) or None
@@ -41,10 +46,12 @@ class Stage:
         self.skips: Optional[Any] = None  # a fastpipe.skip.exchange.StageSkips, when it has skips
 
     def context(self) -> ContextManager[Any]:
-        """The stream (CUDA) in which this stage's work is issued; a no-op on the CPU."""
-        if self.stream is None:
-            return _NO_STREAM
-        return torch.cuda.stream(self.stream)
+        """What every action of this stage runs in: the stream (CUDA) in which its work is
+        issued (a no-op on the CPU) and, for a compiled stage, the compiler's settings."""
+        stream = _NO_STREAM if self.stream is None else torch.cuda.stream(self.stream)
+        if not self.compiled:
+            return stream
+        return _both(stream, compiling.without_donated_buffers)
 
     def run(self, inputs: Any, seed: int) -> Any:
         """The stage's layers on one micro-batch, drawing random numbers from ``seed`` (so a
@@ -53,7 +60,8 @@ class Stage:
                 self.deferred.deferring() if self.deferred else _NO_STREAM):
             if self.rng.stochastic is False:  # probed this step: draws no random numbers
                 return self.call(inputs)
-            with self.rng.scope(seed):
+            # a compile elsewhere saves and restores the global generator: none runs meanwhile
+            with compiling.outside_compiles(), self.rng.scope(seed):
                 return self.call(inputs)
 
     def forward(self, inputs: Any, seed: int, checkpoint: bool) -> Any:
@@ -78,20 +86,34 @@ class Stage:
     def _keep_running_stats(self) -> Any:
         """While recomputing, leave batch-norm running statistics as the first forward left them
         (otherwise a checkpointed micro-batch would be counted twice)."""
-        if not self._running or not is_recomputing():
+        if not self._keeps_running or not is_recomputing():
             yield
             return
-        saved = [b.clone() for b in self._running]
+        running = self._running()
+        saved = [b.clone() for b in running]
         try:
             yield
         finally:
             # ``.data``: batch norm saves its running statistics for backward (which does not
             # read them in training mode); restoring through .data keeps their version counter.
-            for buffer, value in zip(self._running, saved):
+            for buffer, value in zip(running, saved):
                 buffer.data.copy_(value)
+
+    def _running(self) -> list:
+        """What a recomputation must not update twice: the running statistics of batch norms,
+        and the buffers that traced graphs update in place (``fastpipe.tracing``). Looked up
+        each time: ``nn.Module``'s casts of the model (``model.half()``) replace buffers."""
+        return [b for m in self._norms for b in _stats(m)] + [
+            b for m in self.module.modules() for b in getattr(m, "mutated_buffers", ())]
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, {len(self.module)} layers, {self.device})"
+
+
+@contextlib.contextmanager
+def _both(first: ContextManager[Any], second: ContextManager[Any]) -> Any:
+    with first, second:
+        yield
 
 
 def _stats(norm: nn.Module) -> list:
