@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   installs everything and trains the demo GPT through a pipeline
-#   make test   installs everything and runs the test suite
+#   make test   installs everything and runs the test suite (make test-all: with the long runs
+#               marked slow too)
 # Everything goes into .venv (made with --system-site-packages, so a torch already installed on the
 # machine, e.g. a CUDA build on a GPU machine, is used as it is). Without one, TORCH_SPEC is
 # installed: on a machine without an NVIDIA GPU from PyTorch's CPU wheel index (TORCH_INDEX),
@@ -19,7 +20,7 @@ GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h)
 
-.PHONY: install torch demo test test-fast check-cuda-syntax bench info clean
+.PHONY: install torch demo test test-all check-cuda-syntax bench info clean
 
 $(VENV)/.installed: $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -55,10 +56,11 @@ demo: install
 	$(PY) -m fastpipe demo
 
 test: install $(VENV)/.triton
-	$(PY) -m pytest $(PYTEST_ARGS)
-
-test-fast: install $(VENV)/.triton
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The long runs too (tests marked slow: repeated elastic restarts, every compiled schedule, ...).
+test-all: install $(VENV)/.triton
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Compile-only check of the CUDA sources against torch's and the CUDA toolkit's headers (no GPU).
 check-cuda-syntax: install
