@@ -443,7 +443,7 @@ class FrontDoor(nn.Module):
         """Inference: the forward pass in eval mode (dropout off, batch norms use their running
         statistics) without autograd, so nothing is checkpointed, recomputed or kept for a
         backward. The modules' train/eval modes are restored afterwards."""
-        modes = [(m, m.training) for m in self.modules()]
+        modes = [(m, m.training) for m in self._moded_modules()]
         self.eval()
         try:
             with torch.no_grad():
@@ -451,6 +451,29 @@ class FrontDoor(nn.Module):
         finally:
             for m, training in modes:
                 m.training = training
+
+    def train(self, mode: bool = True) -> "FrontDoor":
+        """Train or eval mode for the plain module's layers and for every stage this process
+        runs: the stages of a traced module are graphs (train and eval ones, each the module
+        traced in that mode), and on a ``DistributedPipe`` they are not submodules of the pipe,
+        so ``nn.Module.train`` alone would not reach them."""
+        super().train(mode)
+        for stage in self.__dict__.get("_stages", ()):
+            module = getattr(stage, "module", None)  # None: another rank's stage
+            if module is not None:
+                module.train(mode)
+        return self
+
+    def _moded_modules(self) -> List[nn.Module]:
+        """Every module whose ``training`` flag a step reads: the pipe's and its stages'."""
+        seen: dict = {}
+        for m in self.modules():
+            seen.setdefault(id(m), m)
+        for stage in self.__dict__.get("_stages", ()):
+            module = getattr(stage, "module", None)
+            for m in module.modules() if module is not None else ():
+                seen.setdefault(id(m), m)
+        return list(seen.values())
 
     @contextlib.contextmanager
     def trace(self) -> Iterator[Trace]:

@@ -401,7 +401,8 @@ def stages_of(module: nn.Module, split_points: Any, example_inputs: Any,
 def local_view(module: nn.Module, kept: nn.Module) -> nn.Module:
     """A module holding, under ``module``'s own names, those of its parameters and buffers that
     ``kept`` (this process's stages) uses: what a rank's ``named_parameters`` and state dicts
-    show, so checkpoints move between the plain module and any layout."""
+    show, so checkpoints move between the plain module and any layout. A buffer the module
+    keeps out of its state dict (``persistent=False``) stays out of it."""
     mine = {id(t) for t in [*kept.parameters(), *kept.buffers()]}
     view = nn.Module()
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -409,11 +410,20 @@ def local_view(module: nn.Module, kept: nn.Module) -> nn.Module:
             _place(view, name, param, parameter=True)
     for name, buffer in module.named_buffers(remove_duplicate=False):
         if id(buffer) in mine:
-            _place(view, name, buffer, parameter=False)
+            _place(view, name, buffer, parameter=False, persistent=_persistent(module, name))
     return view
 
 
-def _place(root: nn.Module, name: str, tensor: torch.Tensor, parameter: bool) -> None:
+def _persistent(module: nn.Module, name: str) -> bool:
+    """Whether the buffer ``name`` is in ``module``'s state dict (registered
+    ``persistent=True``): ``rotary_emb.inv_freq`` of a Llama is not."""
+    path, _, attr = name.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    return attr not in owner._non_persistent_buffers_set
+
+
+def _place(root: nn.Module, name: str, tensor: torch.Tensor, parameter: bool,
+           persistent: bool = True) -> None:
     *path, attr = name.split(".")
     holder = root
     for part in path:
@@ -423,4 +433,4 @@ def _place(root: nn.Module, name: str, tensor: torch.Tensor, parameter: bool) ->
     if parameter:
         holder.register_parameter(attr, tensor)
     else:
-        holder.register_buffer(attr, tensor)
+        holder.register_buffer(attr, tensor, persistent=persistent)

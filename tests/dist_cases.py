@@ -166,6 +166,11 @@ def randomized(seed: int, count: int, path: Optional[str] = None) -> Dict:
                 for n, p in pipe.named_parameters():
                     torch.testing.assert_close(p, after[n], **TOL,
                                                msg=lambda m: f"{where}: parameter {n}: {m}")
+        out = pipe.evaluate(x if 0 in pipe.stages else None)  # after training: eval mode
+        if out is not None:
+            with torch.no_grad():
+                torch.testing.assert_close(out, plain.eval()(x), **TOL)
+            plain.train()
         drawn.append([name, mode, chunks, p2p, batches, clip, accumulate, resume])
     return {"drawn": drawn}
 

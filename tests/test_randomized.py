@@ -8,7 +8,8 @@ wrong gradient that depends on the memory layout (a saved tensor mistaken for an
 here as well as a wrong schedule does: steps repeat with fresh batches of changing sizes. Some
 configurations clip by the global norm (``max_grad_norm``, against torch's clip on the plain
 model), accumulate gradients over the steps without zeroing, or take AdamW steps and resume
-from a ``fastpipe.checkpoint`` into a new pipe after the first step.
+from a ``fastpipe.checkpoint`` into a new pipe after the first step; some end with
+``evaluate()`` against the plain model in eval mode.
 """
 import copy
 import random
@@ -47,6 +48,7 @@ class Config:
     clip: Optional[float] = None  # train_step(max_grad_norm=...)
     accumulate: bool = False  # gradients accumulate over the steps (no zero_grad)
     resume: bool = False  # AdamW steps; saved after the first, resumed into a new pipe
+    evaluate: bool = False  # pipe.evaluate(x) after the steps, against the plain model in eval
 
     def __str__(self) -> str:
         return (f"{self.schedule}-v{self.virtual}-{self.checkpoint}-p{self.stages}-"
@@ -55,7 +57,8 @@ class Config:
                 f"{'-token' if self.token else ''}"
                 f"{f'-clip{self.clip:g}' if self.clip is not None else ''}"
                 f"{'-accumulate' if self.accumulate else ''}"
-                f"{'-resume' if self.resume else ''}-{self.seed}")
+                f"{'-resume' if self.resume else ''}"
+                f"{'-evaluate' if self.evaluate else ''}-{self.seed}")
 
 
 def _draw(rng: random.Random, seed: int) -> Config:
@@ -74,6 +77,7 @@ def _draw(rng: random.Random, seed: int) -> Config:
     config.clip = rng.choice([None, 0.05, 10.0])
     config.resume = rng.random() < 0.3
     config.accumulate = not config.resume and rng.random() < 0.5  # a resume starts with none
+    config.evaluate = rng.random() < 0.5
     return config
 
 
@@ -200,3 +204,9 @@ def test_random_configuration_matches_the_plain_model(config, tmp_path):
             plain_optimizer.step()
             for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
                 torch.testing.assert_close(p, q, **tolerance, msg=lambda m: f"{name}: {m}")
+    if config.evaluate:  # eval mode on every stage, whatever mode the steps ran in
+        pipe.train(), plain.train()
+        output = pipe.evaluate(x)
+        assert pipe.training
+        with torch.no_grad():
+            torch.testing.assert_close(output, plain.eval()(x), **tolerance)
