@@ -498,6 +498,7 @@ class FrontDoor(nn.Module):
         """A fresh step over the batch's micro-batches, their sizes agreed by the driver."""
         sizes = self._local_sizes(inputs, targets, train)
         local = self._driver.local
+        tracing.prepare(self._stages[k].module for k in local)  # eval graphs, before the step
         for k in local:
             self._stages[k].rng.reset()
         step = StepState(stages=self._stages, inputs=[], train=train, seed=draw_step_seed(),

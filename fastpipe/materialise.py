@@ -6,11 +6,13 @@ rank uses is emptied onto the rank's device (``to_empty``) and initialised, by t
 ``init_weights(submodule)`` (a Hugging Face model's ``_init_weights``, say) or else by the
 submodule's own ``reset_parameters()``. Parameters shared by several submodules (an embedding and
 the LM head) stay one parameter. Traced stages (``fastpipe.tracing``) are then pointed at the new
-tensors. Loading a checkpoint afterwards gives every rank the same weights.
+tensors. Loading a checkpoint afterwards gives every rank the same weights. A module whose tensors
+have moved since it was traced is traced again on meta twins of them (:func:`meta_twins`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -96,3 +98,49 @@ def _rebind(part: nn.Module, new: Dict[int, torch.Tensor]) -> None:
             for name, tensor in list(table.items()):
                 if tensor is not None and id(tensor) in new:
                     table[name] = new[id(tensor)]
+
+
+Layout = Dict[str, Tuple[torch.device, torch.dtype]]
+
+
+def tensor_layout(module: nn.Module) -> Layout:
+    """The device and dtype of each of the module's parameters and buffers, by name."""
+    return {name: (t.device, t.dtype) for name, t in _named_tensors(module)}
+
+
+@contextlib.contextmanager
+def meta_twins(module: nn.Module, layout: Layout) -> Iterator[None]:
+    """For the block, every parameter and buffer of ``module`` is a meta tensor of its shape and
+    of the dtype ``layout`` gives its name (its own otherwise): what tracing reads when the
+    module's tensors are on several devices (a rank's own on its device, the others' still on
+    the meta device). A tensor held in several places stays one tensor."""
+    dtypes = {id(t): layout.get(name, (t.device, t.dtype))[1]
+              for name, t in _named_tensors(module)}
+    twins: Dict[int, torch.Tensor] = {}
+    saved: List[Tuple[Dict[str, Any], str, torch.Tensor]] = []
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for key, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in twins:
+                    twins[id(tensor)] = _twin(tensor, dtypes[id(tensor)])
+                saved.append((table, key, tensor))
+                table[key] = twins[id(tensor)]
+    try:
+        yield
+    finally:
+        for table, key, tensor in reversed(saved):
+            table[key] = tensor
+
+
+def _twin(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    twin = torch.empty_like(tensor, device="meta", dtype=dtype)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(twin, requires_grad=tensor.requires_grad)
+    return twin
+
+
+def _named_tensors(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False)]

@@ -11,19 +11,28 @@ ties and state dicts stay the module's. The result is an ``nn.Sequential`` of st
 pipeline runs as it runs any other: every schedule, checkpoint mode and executor.
 
 Train and eval modes are traced separately (``torch.export`` records dropout and batch norm in
-the mode of the trace), with the same split; a stage runs the graph of its current mode.
+the mode of the trace), with the same split; a stage runs the graph of its current mode. The
+module is traced once when it is split, in train mode (the graph a training step runs, and the
+one that says which tensors a stage uses and updates); the eval graph is traced on first use,
+once for all the stages of the module: when they enter eval mode (``pipe.eval()``,
+``pipe.evaluate(...)``), else before the first step that runs them in eval mode
+(:func:`prepare`), else at their first eval-mode forward.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple,
+                    Union)
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from . import materialise
 from .balance import solve
 
 SplitPoints = Union[str, Sequence[str]]
@@ -189,31 +198,58 @@ def _plan(gm: fx.GraphModule, split_points: Sequence[str]
 class GraphStage(nn.Module):
     """One stage of a traced module: the graphs (train and eval) of its operations, taking the
     previous stage's carry (the model's inputs for the first stage) and returning its own (the
-    model's outputs, in the model's own structure, for the last)."""
+    model's outputs, in the model's own structure, for the last).
+
+    ``graphs`` holds the train graph (``True``) and, if already traced, the eval one
+    (``False``); without it, the eval graph is traced from ``source`` when first needed and
+    reads this stage's tensors (those of its train graph)."""
 
     def __init__(self, graphs: Dict[bool, fx.GraphModule], first: bool,
                  in_specs: Dict[bool, Any], out_specs: Optional[Dict[bool, Any]],
-                 owner: nn.Module) -> None:
+                 owner: nn.Module, source: Optional["_Source"] = None, index: int = 0) -> None:
         super().__init__()
+        if False not in graphs and source is None:
+            raise TypeError("GraphStage needs graphs[False] (the eval graph) or the source to "
+                            "trace it from")
         self.train_graph = graphs[True]
-        self.eval_graph = graphs[False]
+        # the eval graph: a module from the start (modes, casts and moves reach it), filled in
+        # place when traced, so ``evaluate()``'s restored modes cover it
+        self.eval_graph = graphs[False] if False in graphs else _empty_graph(index)
         self._first = first
-        self._in_specs = in_specs
-        self._out_specs = out_specs
+        self._index = index
+        self._in_specs = dict(in_specs)
+        self._out_specs = None if out_specs is None else dict(out_specs)
         self._owner = [owner]  # not a submodule: its parameters are the graphs' already
+        self._source = source
+        self._traced = {True: True, False: False in graphs}
+        self._eval_targets: Dict[str, str] = {}  # eval graph attribute -> train graph target
+        self._placed: Optional[torch.device] = None  # where _apply last put the constants
 
     def _apply(self, fn: Any, recurse: bool = True) -> "GraphStage":
         """Moving the stage (``.to(device)``, ``.cuda()``, ``to_empty``) moves its parameters and
         also the device constants its graphs were traced with (``torch.arange(...,
-        device=...)``), so a stage traced on the CPU runs on the device it is placed on."""
+        device=...)``), so a stage traced on the CPU runs on the device it is placed on. A cast
+        leaves the constants where the tensors are."""
         result = super()._apply(fn, recurse)
-        try:
-            device = fn(torch.empty(0)).device
-        except Exception:  # noqa: BLE001 - a conversion that is not a move leaves constants
-            return result
+        self._share_tensors()
+        device = self._tensor_device()
+        if device is None:  # no tensors: where ``fn`` takes a tensor
+            try:
+                device = fn(torch.empty(0, device=self._placed or "cpu")).device
+            except Exception:  # noqa: BLE001 - a conversion that is not a move leaves constants
+                return result
+        self._placed = device
         for graph in (self.train_graph, self.eval_graph):
             place_constants(graph, device)
         return result
+
+    def train(self, mode: bool = True) -> "GraphStage":
+        """Train or eval mode; entering eval mode traces the eval graph if not yet traced (here,
+        before any step, rather than inside the first eval-mode step)."""
+        super().train(mode)
+        if not mode:
+            self._graph(False)
+        return self
 
     @property
     def mutated_buffers(self) -> List[torch.Tensor]:
@@ -221,9 +257,18 @@ class GraphStage(nn.Module):
         a recomputation must leave them as the first forward left them."""
         return _written_buffers(self.train_graph)
 
+    @property
+    def traced_modes(self) -> Tuple[bool, ...]:
+        """The modes whose graphs are traced already (``True``: train, ``False``: eval)."""
+        return tuple(mode for mode, done in self._traced.items() if done)
+
+    def prepare(self) -> None:
+        """Trace the graph of the mode the stage runs in now, if not yet traced."""
+        self._graph(self._owner[0].training)
+
     def forward(self, carry: Any) -> Any:
         mode = self._owner[0].training  # the traced module's mode (pipe.train()/eval())
-        graph = self.train_graph if mode else self.eval_graph
+        graph = self._graph(mode)
         if self._first:
             call = as_call(carry)
             leaves, spec = pytree.tree_flatten((tuple(call.args), dict(call.kwargs)))
@@ -237,6 +282,123 @@ class GraphStage(nn.Module):
         if self._out_specs is not None:
             return pytree.tree_unflatten(list(values), self._out_specs[mode])
         return tuple(values)
+
+    # ---------------------------------------------------------------- the eval graph, lazily
+    def _graph(self, mode: bool) -> fx.GraphModule:
+        if not self._traced[mode]:
+            self._trace_eval()
+        return self.train_graph if mode else self.eval_graph
+
+    def _trace_eval(self) -> None:
+        """Cut this stage's eval graph from the module's eval trace (traced once for all its
+        stages) and point it at this stage's tensors and device."""
+        source = self._source
+        assert source is not None
+        with source.locked(f"stage {self._index}'s eval graph"):
+            if self._traced[False]:
+                return
+            traced = source.traced(False)
+            built = _stage_graph(traced.gm, self._index, traced.stage_of, traced.carries,
+                                 traced.output)
+            self._eval_targets = _fill(self.eval_graph, built,
+                                       lambda target: self._tensor_for(target, built))
+            device = self._tensor_device() or self._placed
+            if device is not None:
+                place_constants(self.eval_graph, device)
+            self._in_specs[False] = traced.gm._in_spec
+            if self._out_specs is not None:
+                self._out_specs[False] = traced.gm._out_spec
+            self._traced[False] = True
+
+    def _tensor_for(self, target: str, gm: fx.GraphModule) -> Any:
+        """What the eval graph reads as ``target``: this stage's own tensor (its train graph's),
+        else a tensor of the module, else a constant of the trace (or a submodule: a
+        higher-order operation's graph)."""
+        if not isinstance(_attr(gm, target), torch.Tensor):
+            return _attr(gm, target)
+        mine = _attr_or_none(self.train_graph, target)
+        if mine is not None:
+            return mine
+        assert self._source is not None
+        theirs = _attr_or_none(self._source.module, target)
+        device = self._tensor_device() or self._placed
+        if theirs is not None:
+            if theirs.is_meta or (device is not None and theirs.device != device):
+                raise NotImplementedError(
+                    f"the eval graph of stage {self._index} reads {target!r}, which its train "
+                    f"graph does not read and which is not on the stage's device "
+                    f"({theirs.device}); such a model's eval mode is not supported on this "
+                    f"layout: trace it in one process (fastpipe.Pipe on one device)")
+            return theirs
+        constant = _attr(gm, target)
+        return constant if device is None else constant.to(device)
+
+    def _share_tensors(self) -> None:
+        """The eval graph reads the very tensors of the train graph (a move replaces buffers,
+        each module's on its own)."""
+        for name, target in self._eval_targets.items():
+            mine = _attr_or_none(self.train_graph, target)
+            if mine is not None and getattr(self.eval_graph, name) is not mine:
+                _register(self.eval_graph, name, mine)
+
+    def _tensor_device(self) -> Optional[torch.device]:
+        for tensor in [*self.train_graph.parameters(), *self.train_graph.buffers()]:
+            return tensor.device
+        return None
+
+
+def prepare(modules: Iterable[Optional[nn.Module]]) -> None:
+    """Before a step: the traced stages among ``modules`` (or their children) trace the graph of
+    the mode they run in, if not yet traced, so that no graph is traced inside the step (where
+    other stages and processes would wait for it)."""
+    for module in modules:
+        if module is None:
+            continue
+        for part in (module, *module.children()):
+            if isinstance(part, GraphStage):
+                part.prepare()
+
+
+def _empty_graph(index: int) -> fx.GraphModule:
+    return fx.GraphModule(nn.Module(), fx.Graph(), class_name=f"Stage{index}Eval")
+
+
+def _fill(shell: fx.GraphModule, built: fx.GraphModule, value_for: Any) -> Dict[str, str]:
+    """Make ``shell`` (in place, so modes and references to it hold) run ``built``'s graph,
+    each attribute it reads registered flat on ``shell`` as ``value_for(target)``. Returns the
+    attribute names and their targets."""
+    names: Dict[str, str] = {}  # target -> attribute
+    graph = built.graph
+    for node in graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        target = str(node.target)
+        if target not in names:
+            names[target] = f"{target.replace('.', '_')}_{len(names)}"
+            _register(shell, names[target], value_for(target))
+        node.target = names[target]
+    shell.graph = graph  # recompiles
+    return {name: target for target, name in names.items()}
+
+
+def _register(module: nn.Module, name: str, value: Any) -> None:
+    module._parameters.pop(name, None)
+    module._buffers.pop(name, None)
+    if isinstance(value, nn.Parameter):
+        module.register_parameter(name, value)
+    elif isinstance(value, torch.Tensor):
+        module.register_buffer(name, value)
+    else:
+        module.add_module(name, value)
+
+
+def _attr_or_none(root: Any, target: str) -> Optional[torch.Tensor]:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def place_constants(gm: fx.GraphModule, device: torch.device) -> None:
@@ -285,11 +447,11 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
-def _stage_graph(gm: fx.GraphModule, stage: int, stage_of: Dict[fx.Node, int],
-                 carries: List[List[fx.Node]], output: fx.Node) -> fx.GraphModule:
-    """The graph of one stage: placeholders for its inputs (the model's inputs for stage 0, the
-    previous carry otherwise), its own operations and the parameters they read, and its carry
-    (or the model's outputs) as output."""
+def _stage_fx_graph(gm: fx.GraphModule, stage: int, stage_of: Dict[fx.Node, int],
+                    carries: List[List[fx.Node]], output: fx.Node) -> fx.Graph:
+    """The graph of one stage, dead code left in: placeholders for its inputs (the model's
+    inputs for stage 0, the previous carry otherwise), its own operations and the parameters
+    they read, and its carry (or the model's outputs) as output."""
     graph = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
     inputs = ([n for n in gm.graph.nodes if n.op == "placeholder"] if stage == 0
@@ -311,44 +473,132 @@ def _stage_graph(gm: fx.GraphModule, stage: int, stage_of: Dict[fx.Node, int],
     last = stage == len(carries)
     outs = list(output.args[0]) if last else carries[stage]
     graph.output(tuple(fx.map_arg(o, lookup) if isinstance(o, fx.Node) else o for o in outs))
+    return graph
+
+
+def _stage_graph(gm: fx.GraphModule, stage: int, stage_of: Dict[fx.Node, int],
+                 carries: List[List[fx.Node]], output: fx.Node) -> fx.GraphModule:
+    """One stage's graph as a module reading ``gm``'s tensors under their own names."""
+    graph = _stage_fx_graph(gm, stage, stage_of, carries, output)
     result = fx.GraphModule(gm, graph, class_name=f"Stage{stage}")
     result.graph.eliminate_dead_code()
     result.recompile()
     return result
 
 
+class Traced(NamedTuple):
+    """A module traced in one mode, and its plan (the stage of every node, the carries)."""
+
+    gm: fx.GraphModule
+    stage_of: Dict[fx.Node, int]
+    carries: List[List[fx.Node]]
+    output: fx.Node
+
+
+# How long a stage waits for another thread tracing the module it needs (tracing a very large
+# model takes minutes, not hours).
+TRACE_WAIT = 3600.0
+
+
+class _Source:
+    """What the stages of one traced module share to trace a mode on first use: the module,
+    its example inputs and split points, its tensors' devices and dtypes when first traced, and
+    each mode's trace (made once, under a lock: ``torch.export`` patches ``nn.Module`` for
+    every thread while it traces)."""
+
+    def __init__(self, module: nn.Module, call: Call, points: Sequence[str]) -> None:
+        self.module, self.call, self.points = module, call, list(points)
+        self.grad = torch.is_grad_enabled()
+        self.layout = materialise.tensor_layout(module)
+        self.lock = threading.RLock()
+        self.traces: Dict[bool, Traced] = {}
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Source":
+        return self  # a copied stage traces the same module (and reads its own tensors)
+
+    @contextlib.contextmanager
+    def locked(self, what: str) -> Iterator[None]:
+        if not self.lock.acquire(timeout=TRACE_WAIT):
+            raise TimeoutError(f"{what} waited {TRACE_WAIT:.0f}s for another thread tracing "
+                               f"{type(self.module).__name__}")
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def traced(self, training: bool) -> Traced:
+        """The module traced in ``training`` mode, as it was when first traced: on meta twins of
+        its tensors if they have moved or changed dtype since (stages placed on devices, a
+        meta model materialised in part)."""
+        with self.locked(f"the {'train' if training else 'eval'} trace"):
+            if training not in self.traces:
+                moved = materialise.tensor_layout(self.module) != self.layout
+                with self._as_when_split(), (materialise.meta_twins(self.module, self.layout)
+                                             if moved else contextlib.nullcontext()):
+                    self.traces[training] = trace_mode(self.module, self.call, self.points,
+                                                       training)
+            return self.traces[training]
+
+    @contextlib.contextmanager
+    def _as_when_split(self) -> Iterator[None]:
+        """Grad mode as when the module was split, no inference mode and no autocast (a step's
+        context must not end up in the graph)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+                stack.enter_context(torch.autocast(device, enabled=False))
+            yield
+
+
+def trace_mode(module: nn.Module, call: Call, points: Sequence[str], training: bool) -> Traced:
+    """``module`` traced in ``training`` mode (every submodule's own mode restored after) and
+    planned at ``points``."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.train(training)
+        gm = trace(module, call)
+    except TraceError as error:
+        raise TraceError(f"{error} (tracing it in {'train' if training else 'eval'} "
+                         f"mode)") from error.__cause__
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return Traced(gm, *_plan(gm, points))
+
+
+def _set_mode(module: nn.Module, training: bool) -> None:
+    """Every submodule's flag, without ``train()`` (which would trace the eval graph now)."""
+    for m in module.modules():
+        m.training = training
+
+
 def split(module: nn.Module, split_points: SplitPoints, example: Any,
           stages: Optional[int] = None) -> Split:
     """Cut ``module`` into stages at ``split_points`` (submodule names, each beginning a stage,
     or ``'auto'`` with ``stages``), tracing it on ``example`` (its inputs: a ``Call``, a dict of
-    keyword inputs, a tuple of positional ones, or the single input)."""
+    keyword inputs, a tuple of positional ones, or the single input). The module is traced once
+    here, in train mode; the eval graph when the stages first need it (see the module's
+    docstring)."""
     if split_points == "auto":
         if stages is None:
             raise ValueError("split_points='auto' needs the number of stages")
         points = auto_split_points(module, stages)
     else:
         points = check_split_points(module, split_points)
-    call = as_call(example)
-    mode = module.training
-    graphs, in_specs, out_specs, plans = {}, {}, {}, {}
-    try:
-        for training in (True, False):
-            module.train(training)
-            gm = trace(module, call)
-            graphs[training] = gm
-            in_specs[training] = gm._in_spec
-            out_specs[training] = gm._out_spec
-            plans[training] = _plan(gm, points)
-    finally:
-        module.train(mode)
+    source = _Source(module, as_call(example), points)
+    traced = trace_mode(module, source.call, points, True)
+    in_specs = {True: traced.gm._in_spec}
+    out_specs = {True: traced.gm._out_spec}
     count = len(points) + 1
-    parts = []
-    for k in range(count):
-        per_mode = {t: _stage_graph(graphs[t], k, *plans[t]) for t in (True, False)}
-        parts.append(GraphStage(per_mode, first=k == 0, in_specs=in_specs,
-                                out_specs=out_specs if k == count - 1 else None, owner=module))
+    parts = [GraphStage({True: _stage_graph(traced.gm, k, traced.stage_of, traced.carries,
+                                            traced.output)},
+                        first=k == 0, in_specs=in_specs,
+                        out_specs=out_specs if k == count - 1 else None, owner=module,
+                        source=source, index=k)
+             for k in range(count)]
     stages_module = nn.Sequential(*parts)
-    stages_module.train(mode)
+    _set_mode(stages_module, module.training)
     return Split(module, stages_module, points)
 
 
