@@ -7,7 +7,7 @@ torchgpipe's front door over ``Pipe``.
 """
 import torch  # noqa: F401  (loads libtorch before the native library needs it)
 
-from . import balance, distributed, memory, microbatch, nn, ops, schedule, skip, tracing
+from . import balance, distributed, memory, microbatch, nn, ops, outputs, schedule, skip, tracing
 from . import checkpoint
 from ._native import FastpipeNativeWarning
 from .apps import models
@@ -18,7 +18,9 @@ from .distributed import DistributedPipe, init_mesh
 from .errors import (LossFunctionError, NonFiniteError, PipelineAborted, PipelineError,
                      PipelineTimeout, ProcessGroupError, StageFailure)
 from .frontdoor import UncertainWeighting
+from .model_loss import ModelLoss, use_model_loss
 from .ops import reference_transfer, transfer
+from .outputs import OutputReductionError
 from .pipe import Pipe
 from .policies import amp, batchnorm, tied
 from .policies.checkpoint import is_checkpointing, is_recomputing
@@ -28,10 +30,11 @@ from .version import __version__
 
 __all__ = [
     "Action", "ActionKind", "Diagnosis", "DistributedPipe", "FastpipeNativeWarning", "GPipe",
-    "LossFunctionError", "NonFiniteError", "Pipe", "PipelineAborted", "PipelineError",
-    "PipelineTimeout", "ProcessGroupError", "Schedule", "ScheduleError", "StageFailure",
-    "UncertainWeighting", "__version__", "amp", "balance", "batchnorm", "checkpoint",
-    "distributed", "doctor", "format_info", "get_schedule", "info", "init_mesh",
-    "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn", "ops",
-    "profile", "reference_transfer", "schedule", "skip", "tied", "tracing", "transfer",
+    "LossFunctionError", "ModelLoss", "NonFiniteError", "OutputReductionError", "Pipe",
+    "PipelineAborted", "PipelineError", "PipelineTimeout", "ProcessGroupError", "Schedule",
+    "ScheduleError", "StageFailure", "UncertainWeighting", "__version__", "amp", "balance",
+    "batchnorm", "checkpoint", "distributed", "doctor", "format_info", "get_schedule", "info",
+    "init_mesh", "is_checkpointing", "is_recomputing", "memory", "microbatch", "models", "nn",
+    "ops", "outputs", "profile", "reference_transfer", "schedule", "skip", "tied", "tracing",
+    "transfer", "use_model_loss",
 ]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import materialise, tracing
+from . import materialise, outputs, tracing
 from .policies import compile as compiling, tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
@@ -115,6 +115,9 @@ class DistributedPipe(StagesStayPut, FrontDoor):
             each of this rank's stages in place; a model in ``torch.compile`` (or with compiled
             submodules) is unwrapped, names stay plain. Not with ``checkpoint='selective'``,
             ``tensor_parallel`` or ``data_parallel='fsdp'``.
+        output_reduction: as in ``Pipe``: how output leaves that are not one row per sample
+            (a loss) combine over micro-batches, by leaf name. A rule that reads the labels
+            reads them on the last stage's rank: pass the inputs there too.
 
     Casts (``.to(torch.bfloat16)``, ``.half()``, ``.to(device, dtype)`` on this rank's device)
     apply to this rank's layers; a move (``.to(device)``, ``.cuda()``, ``.cpu()``) raises
@@ -134,9 +137,11 @@ class DistributedPipe(StagesStayPut, FrontDoor):
                  mesh: Optional[Mesh] = None,
                  tensor_parallel: Optional[parallel_setup.tensor.Plan] = None,
                  data_parallel: str = "replicate",
-                 compile: Union[bool, Dict[str, Any]] = False) -> None:
+                 compile: Union[bool, Dict[str, Any]] = False,
+                 output_reduction: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         compiler = compiling.check(compile)  # as takes_compiled resolved it
+        reductions = outputs.check_output_reduction(output_reduction)
         if not dist.is_available() or not dist.is_initialized():
             raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
                                "torch.distributed.init_process_group() first (under torchrun the "
@@ -145,6 +150,7 @@ class DistributedPipe(StagesStayPut, FrontDoor):
         process_group = backends.as_group(process_group, "process_group")
         data_parallel_group = backends.as_group(data_parallel_group, "data_parallel_group")
         traced = module if tracing.wanted(module, split_points) else None
+        self._take_outputs(reductions, module, traced is not None)
         par = parallel_setup.resolve(  # 3-D layouts (fastpipe.parallel), checked before any work
             module, mesh=mesh, process_group=process_group,
             data_parallel_group=data_parallel_group, tensor_parallel=tensor_parallel,

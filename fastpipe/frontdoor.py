@@ -16,12 +16,13 @@ import functools
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from . import microbatch, tracing
+from . import hf_losses, microbatch, outputs, tracing
+from .model_loss import ModelLoss, bind as bind_model_loss, model_loss_of, rule_of
 from .policies import amp, selective
 from .policies.checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import check_chunks, check_flag, check_timeout, resolve_virtual_stages
@@ -240,8 +241,24 @@ class FrontDoor(nn.Module):
         return validated_schedule(self._schedule_name, self.num_stages,
                                   num_microbatches or self._chunks, self.layout.virtual_stages)
 
+    def _take_outputs(self, given: Dict[str, outputs.Rule], module: Any, traced: bool) -> None:
+        """How the outputs combine over micro-batches: the rules given (``output_reduction``,
+        checked by ``outputs.check_output_reduction`` before any work) and those known for the
+        model (a Hugging Face model's own loss); a traced module's signature names its
+        positional inputs."""
+        object.__setattr__(self, "_output_rules", outputs.OutputRules(
+            given, hf_losses.known_rules(module),
+            outputs.signature_of(module) if traced else None,
+            type(module).__name__ if isinstance(module, nn.Module) else ""))
+
+    @property
+    def output_rules(self) -> outputs.OutputRules:
+        """How the outputs' leaves that are not per-sample combine over micro-batches."""
+        return self.__dict__.get("_output_rules") or outputs.OutputRules({}, {})
+
     # ---------------------------------------------------------------- running
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+    def train_step(self, inputs: Any, targets: Any = None,
+                   loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                    *, loss_reduction: str = "mean", scaler: Optional[Any] = None,
                    optimizer: Optional[torch.optim.Optimizer] = None,
                    max_grad_norm: Optional[float] = None,
@@ -255,6 +272,15 @@ class FrontDoor(nn.Module):
         return ``(loss_sum, count)`` per micro-batch (e.g. a token count): the step's loss is
         then the sums over the whole batch's count, and so are its gradients
         (``fastpipe.runtime.token_mean``).
+
+        Without ``loss_fn`` (or with ``loss_fn=fastpipe.use_model_loss``) and with
+        ``targets=None``, the step trains on the loss the model computes itself from the labels
+        in ``inputs`` (``pipe.train_step({'input_ids': ids, 'labels': labels})``): its
+        output's ``loss`` leaf, each micro-batch's weighted by what its mean is over (a Hugging
+        Face model's tokens whose label is not -100, or the rule ``output_reduction`` gives),
+        so loss and gradients are the plain model's on the whole batch
+        (``fastpipe.model_loss``). On a ``DistributedPipe`` the last stage's rank reads the
+        labels from ``inputs``: pass the batch there too.
 
         ``optimizer``: stepped once after the backward (through ``scaler`` when given); it does
         not zero the gradients: call ``optimizer.zero_grad()`` before each step as usual. Under
@@ -284,7 +310,12 @@ class FrontDoor(nn.Module):
         """
         asynchronous = self._pipedream is not None  # arguments first: every rank alike
         scaler = amp.check_scaler(scaler)
-        check_step_arguments(loss_fn, loss_reduction, optimizer, asynchronous, scaler)
+        model_loss = model_loss_of(loss_fn, targets)
+        check_step_arguments(model_loss or loss_fn, loss_reduction, optimizer, asynchronous,
+                             scaler)
+        if model_loss is not None:
+            rule_of(model_loss, self.output_rules, loss_reduction)
+            loss_fn = model_loss
         ending = check_ending(optimizer, scaler, max_grad_norm, nonfinite, asynchronous,
                               sync=not self.__dict__.get("_unsynced", False))
         with self._driver.guarded():
@@ -294,6 +325,10 @@ class FrontDoor(nn.Module):
                     loss_reduction: str, ending: "StepEnding") -> torch.Tensor:
         optimizer, scaler, asynchronous = ending.optimizer, ending.scaler, ending.asynchronous
         handlers = self._pipedream.handlers(optimizer, ending.nonfinite) if asynchronous else None
+        if isinstance(loss_fn, ModelLoss):  # the model's own loss, weighed by its rule
+            loss_fn, targets, loss_reduction = bind_model_loss(
+                loss_fn, self.output_rules, inputs, self._reads_targets(True),
+                counted=not asynchronous)
         start = time.perf_counter()
         token_mean = None if asynchronous else TokenMean(self.parameters)
         self._driver.begin_training(ending.sync)
@@ -426,9 +461,19 @@ class FrontDoor(nn.Module):
         """
         inputs = args[0] if len(args) == 1 and not kwargs else tracing.Call(args, kwargs)
         with self._driver.guarded(), self._driver.forward_grad_mode():
-            return self._forward(inputs)
+            found, sizes = self._forward_microbatches(inputs)
+        # outside guarded(): every stage has finished, so a leaf that cannot be combined is an
+        # error of this call alone, not one that stops the pipe
+        return None if found is None else self._gather(found, sizes, inputs)
 
     def _forward(self, inputs: Any) -> Any:
+        """The batch's output (``None`` where this process does not run the last stage)."""
+        found, sizes = self._forward_microbatches(inputs)
+        return None if found is None else self._gather(found, sizes, inputs)
+
+    def _forward_microbatches(self, inputs: Any) -> Tuple[Optional[List[Any]], List[int]]:
+        """Run the forward actions; the micro-batch outputs (``None`` where this process
+        does not run the last stage) and the micro-batch sizes."""
         grad = torch.is_grad_enabled()
         step, sizes = self._new_step(inputs, None, train=False, grad_enabled=grad)
         if grad and self.training:
@@ -436,8 +481,22 @@ class FrontDoor(nn.Module):
         schedule = self.plan(len(sizes))
         self._run(schedule.forward_actions, step, schedule)
         if len(self._stages) - 1 not in self._driver.local:
-            return None
-        return microbatch.gather([step.outputs[i] for i in range(len(sizes))])
+            return None, sizes
+        return [step.outputs[i] for i in range(len(sizes))], sizes
+
+    def _gather(self, found: List[Any], sizes: List[int], inputs: Any) -> Any:
+        """The micro-batch outputs combined into the batch's (``fastpipe.outputs``): a rule
+        that reads the inputs (labels) reads those given to this process."""
+        rules = self.output_rules
+
+        def named() -> List[Dict[str, Any]]:
+            if inputs is None:
+                raise outputs.OutputReductionError(
+                    "the output's loss is weighed by the labels in the inputs, but this "
+                    "process (the last stage's) was given no inputs; pass the batch on this "
+                    "rank too")
+            return microbatch.scatter(rules.named(inputs), sizes)
+        return microbatch.gather(found, sizes, rules, named)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Inference: the forward pass in eval mode (dropout off, batch norms use their running

@@ -2,14 +2,18 @@
 
 Pure tensor bookkeeping with ``torch.utils._pytree``: tensors (with a batch dimension) are split
 along dim 0 with ``torch.chunk`` semantics; every other leaf is passed to every micro-batch.
+Outputs come back by ``fastpipe.outputs``' rules (per-sample leaves concatenated, a loss
+weighted by what each micro-batch's mean is over).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Sequence, Set, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
+
+from .outputs import OutputRules, combine
 
 _log = logging.getLogger("fastpipe")
 _told: Set[Tuple[int, int, int]] = set()
@@ -87,27 +91,12 @@ def scatter(inputs: Any, sizes: Sequence[int]) -> List[Any]:
             for i in range(len(sizes))]
 
 
-def gather(outputs: Sequence[Any]) -> Any:
-    """Concatenate micro-batch outputs (same structure each) back into one batch along dim 0."""
-    flat = [pytree.tree_flatten(out) for out in outputs]
-    spec = flat[0][1]
-    for _, other in flat[1:]:
-        if other != spec:
-            raise ValueError(f"micro-batch outputs differ in structure: {spec} vs {other}")
-    merged = []
-    for index, column in enumerate(zip(*(leaves for leaves, _ in flat))):
-        merged.append(_merge_leaf(index, column))
-    return pytree.tree_unflatten(merged, spec)
-
-
-def _merge_leaf(index: int, column: Sequence[Any]) -> Any:
-    first = column[0]
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            raise ValueError(
-                f"output leaf {index} is a 0-dim tensor, which cannot be gathered along the "
-                f"batch dimension; return per-sample values (dim 0 = batch) from the last stage")
-        return torch.cat(list(column)) if len(column) > 1 else first
-    if any(other != first for other in column[1:]):
-        raise ValueError(f"output leaf {index} is not a tensor and differs between micro-batches")
-    return first
+def gather(outputs: Sequence[Any], sizes: Optional[Sequence[int]] = None,
+           rules: Optional[OutputRules] = None,
+           inputs: Optional[Callable[[], List[Any]]] = None) -> Any:
+    """The batch's output from its micro-batches' (same structure each): per-sample tensors
+    concatenated along dim 0, other leaves (a loss inside the output) combined by their rule
+    (``fastpipe.outputs``: ``sizes`` are the micro-batches' sample counts, ``inputs()`` their
+    named inputs); a leaf without a rule is an ``OutputReductionError`` naming it and the
+    ``output_reduction`` option."""
+    return combine(outputs, sizes, rules, inputs)

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import tracing
+from . import outputs, tracing
 from .policies import compile as compiling, tied as tied_weights
 from .frontdoor import FrontDoor, parse_layout
 from .placement import (Device, StagesStayPut, auto_balance, check_balance, check_chunk_count,
@@ -89,6 +89,13 @@ class Pipe(StagesStayPut, FrontDoor):
             ``fastpipe.policies.compile``). Submodules given in ``torch.compile`` are then
             compiled as part of their stage; with ``False`` (default) they stay compiled alone.
             Not with ``checkpoint='selective'`` or ``cuda_graphs=True``.
+        output_reduction: how output leaves that are not one row per sample combine over
+            micro-batches, by leaf name: ``{'loss': 'mean'}`` (a mean over samples), ``'sum'``,
+            ``'token_mean'`` (over labels that are not -100), ``'shifted_token_mean'`` (a
+            causal LM's), ``'cat'``, or a function of a micro-batch's named inputs giving the
+            count its mean is over (``fastpipe.outputs``). The loss of the Hugging Face models
+            ``fastpipe.hf_losses`` knows needs none; another leaf without a rule is an
+            ``OutputReductionError`` naming it.
 
     The pipe casts like a module (``pipe.to(torch.bfloat16)``, ``.to(dtype=...)``,
     ``.half()``, ``.to(device, dtype)`` on the stages' own device), but its stages stay on their
@@ -105,10 +112,13 @@ class Pipe(StagesStayPut, FrontDoor):
                  deferred_batch_norm: bool = False, tied: Sequence[Sequence[Any]] = (),
                  vertical_sync: bool = False, cuda_graphs: bool = False,
                  split_points: Optional[Any] = None, example_inputs: Optional[Any] = None,
-                 compile: Union[bool, Dict[str, Any]] = False) -> None:
+                 compile: Union[bool, Dict[str, Any]] = False,
+                 output_reduction: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         compiler = compiling.check(compile)  # as takes_compiled resolved it
+        reductions = outputs.check_output_reduction(output_reduction)
         traced = module if tracing.wanted(module, split_points) else None
+        self._take_outputs(reductions, module, traced is not None)
         if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
             check_materialised(traced)
             count = tracing.stage_count(devices, resolve_virtual_stages(virtual_stages, schedule))

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from fastpipe import microbatch
+from fastpipe.outputs import OutputRules, check_output_reduction
 
 
 @pytest.mark.parametrize("total,chunks,sizes", [
@@ -53,6 +54,12 @@ def test_no_tensor_is_an_error():
         microbatch.batch_size({"a": 1, "b": torch.tensor(3.0)})
 
 
-def test_gather_rejects_scalar_outputs():
-    with pytest.raises(ValueError, match="0-dim"):
-        microbatch.gather([torch.tensor(1.0), torch.tensor(2.0)])
+def test_gather_rejects_scalar_outputs_without_a_rule():
+    with pytest.raises(ValueError, match=r"'output' is a 0-dim tensor.*output_reduction="):
+        microbatch.gather([torch.tensor(1.0), torch.tensor(2.0)], [1, 1])
+
+
+def test_gather_combines_scalar_outputs_by_their_rule():
+    rules = OutputRules(check_output_reduction({"output": "mean"}), {})
+    whole = microbatch.gather([torch.tensor(1.0), torch.tensor(4.0)], [2, 1], rules)
+    torch.testing.assert_close(whole, torch.tensor(2.0))  # (1 * 2 + 4 * 1) / 3

@@ -19,6 +19,7 @@ from ..policies.checkpoint import (backward_pairs, checkpointing, grad_pairs, mi
                                    recomputing)
 from ..policies import offload
 from ..errors import LossFunctionError
+from ..model_loss import Bound as ModelLossStep
 from .token_mean import split_count
 from ..policies.selective import run_stage
 from ..schedule import Action, ActionKind
@@ -128,9 +129,13 @@ def _loss(step: StepState, stage: Stage, mb: int, output: Any) -> torch.Tensor:
     try:
         loss = step.loss_fn(output, targets)
     except Exception as error:
-        error.add_note(f"raised by loss_fn(output, targets) on micro-batch {mb}, with output "
-                       f"{_shapes(output)} and targets {_shapes(targets)}: check that the "
-                       f"targets match the model's output")
+        if isinstance(step.loss_fn, ModelLossStep):  # the model's own loss: no targets
+            error.add_note(f"raised reading the model's own loss on micro-batch {mb}, from "
+                           f"its output {_shapes(output)}")
+        else:
+            error.add_note(f"raised by loss_fn(output, targets) on micro-batch {mb}, with "
+                           f"output {_shapes(output)} and targets {_shapes(targets)}: check "
+                           f"that the targets match the model's output")
         raise
     loss, count = split_count(loss, mb)
     check_loss(loss, mb)
