@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import materialise, outputs, tracing
+from . import generation, materialise, outputs, tracing
 from .policies import compile as compiling, tied as tied_weights
 from .errors import ProcessGroupError
 from .frontdoor import FrontDoor, parse_layout
@@ -162,6 +162,8 @@ class DistributedPipe(StagesStayPut, FrontDoor):
             count = dist.get_world_size(group) * resolve_virtual_stages(virtual_stages, schedule)
             module = tracing.stages_of(traced, split_points, example_inputs, count, follow=False,
                                        deferred_batch_norm=deferred_batch_norm)
+        object.__setattr__(self, "_traced", (  # what generate() traces: no tensor kept
+            None if traced is None else generation.skeleton(traced), split_points))
         layers = _check_layers(module)
         layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
                               deferred_batch_norm)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from . import hf_losses, microbatch, outputs, tracing
+from . import generation, hf_losses, microbatch, outputs, tracing
 from .model_loss import ModelLoss, bind as bind_model_loss, model_loss_of, rule_of
 from .policies import amp, selective
 from .policies.checkpoint import check_mode, checkpoint_stop, draw_step_seed
@@ -507,6 +507,44 @@ class FrontDoor(nn.Module):
         try:
             with torch.no_grad():
                 return self(*args, **kwargs)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    def generate(self, input_ids: Any, max_new_tokens: int, *, attention_mask: Any = None,
+                 do_sample: bool = False, temperature: Optional[float] = None,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 seed: Optional[int] = None, eos_token_id: Any = None,
+                 pad_token_id: Optional[int] = None, chunks: Optional[int] = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """Generate ``max_new_tokens`` tokens after each prompt of ``input_ids`` (batch,
+        length), with ``attention_mask`` for left-padded prompts, as ``transformers``'
+        ``model.generate`` does: the prompts and their new tokens, (batch, length + new).
+
+        Each stage keeps the KV cache of its own layers; ``chunks`` groups of sequences
+        (default: one per physical stage) are in flight at once, so the stages decode
+        concurrently, and each next token goes back to the first stage inside the pipeline
+        (``fastpipe.generation``). Greedy by default; ``do_sample=True`` samples with
+        ``temperature``, ``top_k`` and ``top_p`` (a ``transformers`` model's own settings
+        when not given) from ``seed`` (else the global generator). Generation stops at
+        ``eos_token_id`` (default: the model's) and pads finished sequences with
+        ``pad_token_id``. ``use_cache=False`` recomputes the whole sequence for every token
+        (any causal LM, an ``nn.Sequential`` of layers included). Eval mode, no autograd.
+        On a ``DistributedPipe`` every rank calls it with the same arguments; ``input_ids``
+        are read on the first stage's rank, and every rank returns the sequences.
+        """
+        traced, split_points = self.__dict__.get("_traced", (None, None))
+        source = generation.Source(self, traced, split_points, self.module, self._stages,
+                                   self.plan().placement, self._driver, self.layout.timeout)
+        modes = [(m, m.training) for m in self._moded_modules()]
+        self.eval()
+        try:
+            with torch.no_grad():
+                return generation.generate(
+                    source, input_ids, max_new_tokens, attention_mask=attention_mask,
+                    do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                    seed=seed, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                    chunks=chunks, use_cache=use_cache)
         finally:
             for m, training in modes:
                 m.training = training

@@ -125,6 +125,7 @@ class Pipe(StagesStayPut, FrontDoor):
             module = tracing.stages_of(traced, split_points, example_inputs, count,
                                        deferred_batch_norm=deferred_batch_norm)
             balance = None
+        object.__setattr__(self, "_traced", (traced, split_points))  # what generate() traces
         module = check_module(module)
         check_materialised(module)
         layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,

@@ -147,6 +147,7 @@ LAYERS = [
     ("fastpipe.policies",),
     ("fastpipe.runtime", "fastpipe.skip"),
     ("fastpipe.parallel",),
+    ("fastpipe.generation",),
     ("fastpipe.frontdoor",),
     ("fastpipe.pipe", "fastpipe.distributed", "fastpipe.compat"),
     ("fastpipe.diagnosis", "fastpipe.checkpoint"),
