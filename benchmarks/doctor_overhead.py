@@ -2,10 +2,11 @@
 
 Timed in one run, interleaved round by round: the label of one action alone (``action_range``
 entered and left, against a bare ``nullcontext``), with no profiler and inside
-``fastpipe.runtime.labels.profile()``; and a whole training step of 4 one-weight CPU stages with
+``fastpipe.runtime.observe.profiler_ranges.profile()``; and a whole training step of 4
+one-weight CPU stages with
 16 micro-batches (128 actions), per action, without and with the profiler. Also the median
 forward action of a one-weight stage, traced: the fixed per-action cost the doctor assumes on
-the CPU (``fastpipe.runtime.vitals.CPU_ACTION_OVERHEAD``).
+the CPU (``fastpipe.runtime.observe.step_stats.CPU_ACTION_OVERHEAD``).
 
     python benchmarks/doctor_overhead.py [--rounds 20]
 """
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe.runtime import labels
+from fastpipe.runtime.observe import profiler_ranges
 from _common import machine, median, table
 
 STAGES, CHUNKS, CALLS = 4, 16, 2000
@@ -36,10 +37,10 @@ def label_calls(profiled: bool) -> Callable[[], float]:
     stage, action, nothing = _Stage(), fastpipe.Action(0, "F", 0), contextlib.nullcontext()
 
     def run() -> float:
-        with labels.profile() if profiled else contextlib.nullcontext():
+        with profiler_ranges.profile() if profiled else contextlib.nullcontext():
             start = time.perf_counter()
             for _ in range(CALLS):
-                with labels.action_range(stage, action):
+                with profiler_ranges.action_range(stage, action):
                     pass
             labelled = time.perf_counter() - start
             start = time.perf_counter()
@@ -57,7 +58,7 @@ def step_per_action(pipe: fastpipe.Pipe, profiled: bool) -> Callable[[], float]:
     actions = sum(len(row) for row in pipe.plan(CHUNKS).actions)
 
     def run() -> float:
-        with labels.profile() if profiled else contextlib.nullcontext():
+        with profiler_ranges.profile() if profiled else contextlib.nullcontext():
             start = time.perf_counter()
             pipe.train_step(x, y, nn.functional.mse_loss)
             return (time.perf_counter() - start) / actions

@@ -24,7 +24,7 @@ from .outputs import OutputReductionError
 from .pipe import Pipe
 from .policies import amp, batchnorm, tied
 from .policies.checkpoint import is_checkpointing, is_recomputing
-from .runtime.labels import profile
+from .runtime.observe.profiler_ranges import profile
 from .schedule import Action, ActionKind, Schedule, ScheduleError, get_schedule
 from .version import __version__
 

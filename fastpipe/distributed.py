@@ -32,12 +32,13 @@ from .parallel import checkpoint as sharded_state, optimizer_names, setup as par
 from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
 from .placement import (StagesStayPut, auto_balance, check_balance, layer_names,
                         resolve_virtual_stages)
-from .runtime import backends, weight_versions
-from .runtime.backends import init_process_group  # noqa: F401 - safe under torchrun restarts
+from .runtime.transport import backends
+from .runtime import weight_versions
+from .runtime.transport.backends import init_process_group  # noqa: F401 - safe under torchrun restarts
 from .runtime.dist_executor import Topology
-from .runtime.per_rank import PerRankDriver, RemoteStage
+from .runtime.drivers.per_rank import PerRankDriver, RemoteStage
 from .runtime.stage import Stage
-from .runtime.tied_sync import TiedSync
+from .runtime.gradients.tied import TiedSync
 from .skip import exchange as skip_exchange, layout as skip_layout
 from .skip.api import declaration
 
@@ -55,7 +56,7 @@ class DistributedPipe(StagesStayPut, FrontDoor):
             layer, so a rank builds only the layers it keeps.
         chunks: micro-batches per batch (``torch.chunk`` semantics, as in ``Pipe``), or
             ``'auto'``: the rank of the first stage searches the count with the best measured
-            step throughput (``fastpipe.runtime.adaptive``); the others follow the count each
+            step throughput (``fastpipe.autotune.chunk_count``); the others follow the count each
             step's first message announces.
         schedule: a schedule name of ``fastpipe.schedule`` (``'gpipe'``, ``'1f1b'``,
             ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``,
@@ -75,7 +76,7 @@ class DistributedPipe(StagesStayPut, FrontDoor):
             group carries CUDA tensors over NCCL (``init_process_group()`` with no backend,
             ``'nccl'`` or ``'cpu:gloo,cuda:nccl'``) and a GPU exists, else the CPU. A device the
             group has no backend for is refused (``ProcessGroupError``).
-        p2p: how messages move between ranks (``fastpipe.runtime.backends.P2P_MODES``):
+        p2p: how messages move between ranks (``fastpipe.runtime.transport.backends.P2P_MODES``):
             ``'grouped'`` runs the NCCL program of the schedule (``fastpipe.schedule.lower_nccl``:
             one ``batch_isend_irecv`` group per round, posted in an order proven free of
             deadlock under NCCL's semantics, every receive sized exactly); ``'tagged'`` sends

@@ -4,7 +4,8 @@ One place checks the arguments into a frozen ``Layout``, splits batches into mic
 runs ``train_step`` / ``forward`` / ``evaluate`` / ``trace``, makes the automatic schedule and
 chunk choices and weights the micro-batch losses. What differs between the front doors (where the
 stages run, how the micro-batch sizes are agreed, how gradients are synchronised) is a driver
-(``fastpipe.runtime.driver``). A front door builds its stages, sets ``layout``, ``module`` (its
+(``fastpipe.runtime.drivers.base``). A front door builds its stages, sets ``layout``,
+``module`` (its
 layers under their plain names), ``_stages``, ``_pipedream`` and ``_driver``, calls ``_begin``,
 and says how many physical stages it has.
 """
@@ -26,13 +27,15 @@ from .model_loss import ModelLoss, bind as bind_model_loss, model_loss_of, rule_
 from .policies import amp, selective
 from .policies.checkpoint import check_mode, checkpoint_stop, draw_step_seed
 from .placement import check_chunks, check_flag, check_timeout, resolve_virtual_stages
-from .runtime import adaptive, auto, closing, grad_norm, vitals
-from .runtime.driver import Driver
+from .autotune import chunk_count, schedule_choice
+from .runtime.gradients import closing, grad_norm
+from .runtime.observe import step_stats
+from .runtime.drivers.base import Driver
 from .runtime.weight_versions import check_optimizer_argument, step_optimizer
 from .runtime.step import StepState
-from .runtime.token_mean import TokenMean
-from .runtime.trace import StepRecorder, Trace
-from .runtime.vitals import StepStats
+from .runtime.gradients.token_mean import TokenMean
+from .runtime.observe.trace import StepRecorder, Trace
+from .runtime.observe.step_stats import StepStats
 from .schedule import Schedule, get_schedule
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -58,7 +61,9 @@ class Layout:
     @property
     def first_schedule(self) -> str:
         """The schedule of the first step (``'auto'`` starts with 1F1B or looped BFS)."""
-        return auto.first_schedule(self.virtual_stages) if self.auto_schedule else self.schedule
+        if self.auto_schedule:
+            return schedule_choice.first_schedule(self.virtual_stages)
+        return self.schedule
 
     def with_balance(self, balance: Sequence[int]) -> "Layout":
         return dataclasses.replace(self, balance=tuple(balance))
@@ -69,7 +74,8 @@ def parse_layout(chunks: Any, checkpoint: Any, schedule: Any, virtual_stages: An
     """The arguments both front doors take, checked (a typed error naming the argument)."""
     auto_chunks = isinstance(chunks, str) and chunks == "auto"
     return Layout(chunks=1 if auto_chunks else check_chunks(chunks), auto_chunks=auto_chunks,
-                  checkpoint=check_checkpoint(checkpoint), schedule=auto.check_name(schedule),
+                  checkpoint=check_checkpoint(checkpoint),
+                  schedule=schedule_choice.check_name(schedule),
                   virtual_stages=resolve_virtual_stages(virtual_stages, schedule),
                   timeout=check_timeout(timeout),
                   deferred_batch_norm=check_flag(deferred_batch_norm, "deferred_batch_norm"))
@@ -190,11 +196,11 @@ class FrontDoor(nn.Module):
         object.__setattr__(self, "_chunks", layout.chunks)
         object.__setattr__(self, "_schedule_name", layout.first_schedule)
         object.__setattr__(self, "_auto", layout.auto_schedule)
-        object.__setattr__(self, "chunk_search", None)  # chunks='auto': an adaptive.ChunkSearch
+        object.__setattr__(self, "chunk_search", None)  # chunks='auto': a chunk_count.ChunkSearch
         object.__setattr__(self, "auto_ranking", None)  # schedule='auto': the ranking
         object.__setattr__(self, "_trace", None)
         if layout.auto_chunks:
-            object.__setattr__(self, "_chunks", adaptive.first_count(self.num_stages,
+            object.__setattr__(self, "_chunks", chunk_count.first_count(self.num_stages,
                                                                       self._accepts))
         return self.plan(self._chunks)
 
@@ -233,7 +239,8 @@ class FrontDoor(nn.Module):
     @property
     def last_step(self) -> Optional[StepStats]:
         """The last training step's samples/s, wall time and measured bubble share
-        (``fastpipe.runtime.vitals.StepStats``), kept without tracing; ``None`` before the first."""
+        (``fastpipe.runtime.observe.step_stats.StepStats``), kept without tracing; ``None``
+        before the first."""
         return self.__dict__.get("_last_step")
 
     def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
@@ -271,7 +278,7 @@ class FrontDoor(nn.Module):
         that average over the batch); ``'sum'`` adds them (for summed losses). ``loss_fn`` may
         return ``(loss_sum, count)`` per micro-batch (e.g. a token count): the step's loss is
         then the sums over the whole batch's count, and so are its gradients
-        (``fastpipe.runtime.token_mean``).
+        (``fastpipe.runtime.gradients.token_mean``).
 
         Without ``loss_fn`` (or with ``loss_fn=fastpipe.use_model_loss``) and with
         ``targets=None``, the step trains on the loss the model computes itself from the labels
@@ -347,7 +354,7 @@ class FrontDoor(nn.Module):
         self._driver.finish_gradients(step, count)
         self._end_step(step, loss, len(sizes), ending)
         self._measured(sum(sizes), start)
-        vitals.finish_step(self, step, sum(sizes), start)
+        step_stats.finish_step(self, step, sum(sizes), start)
         return loss
 
     def _end_step(self, step: StepState, loss: torch.Tensor, count: int,
@@ -665,11 +672,11 @@ class FrontDoor(nn.Module):
     def _choose_schedule(self, timeline: Any, schedule: Schedule) -> None:
         """``schedule='auto'``: rank the candidate schedules by simulated step time with the
         costs measured in the first step, and run the fastest from now on."""
-        ranking = auto.rank(timeline, schedule)
+        ranking = schedule_choice.rank(timeline, schedule)
         object.__setattr__(self, "auto_ranking", ranking)
         self._schedule_name, self._auto = ranking[0].name, False
         if self._driver.reports:
-            auto.log_choice(ranking)
+            schedule_choice.log_choice(ranking)
 
     def _measured(self, total: int, start: float) -> None:
         """``chunks='auto'``: report the step's time to the search (it may settle)."""
@@ -683,13 +690,13 @@ class FrontDoor(nn.Module):
 
     def _accepts(self, num_microbatches: int) -> bool:
         """Whether the schedule can run ``num_microbatches``."""
-        return adaptive.accepted(self.plan, num_microbatches)
+        return chunk_count.accepted(self.plan, num_microbatches)
 
-    def _new_chunk_search(self, total: int) -> adaptive.ChunkSearch:
+    def _new_chunk_search(self, total: int) -> chunk_count.ChunkSearch:
         """``chunks='auto'``: the search over micro-batch counts for batches of ``total``,
         starting from the current count, skipping counts the schedule cannot run."""
-        return adaptive.ChunkSearch(
-            adaptive.candidate_counts(self.num_stages, total), self._chunks,
+        return chunk_count.ChunkSearch(
+            chunk_count.candidate_counts(self.num_stages, total), self._chunks,
             lambda m: self._accepts(len(microbatch.split_sizes(total, m))))
 
     # ---------------------------------------------------------------- plain-module names

@@ -5,7 +5,8 @@ The loss is a leaf of the model's output (``'loss'``) and the labels are a model
 the traced graph carries to the stage that computes the loss. Each micro-batch's loss is a mean
 over its own elements (its tokens, its samples), so the step weighs it by the leaf's rule
 (:mod:`fastpipe.outputs`): as ``(loss * count, count)`` through the step's token-mean machinery
-(``fastpipe.runtime.token_mean``), whose total count divides the step's gradients, so loss and
+(``fastpipe.runtime.gradients.token_mean``), whose total count divides the step's gradients, so
+loss and
 gradients are the plain model's on the whole batch, uneven micro-batches and ``-100`` padding
 included; a summed leaf (``num_items_in_batch`` given) is added as it is. On the process that
 runs the last stage the rule reads the micro-batch's labels, from the inputs given there.

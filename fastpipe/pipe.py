@@ -19,9 +19,9 @@ from .placement import (Device, StagesStayPut, auto_balance, check_balance, chec
                         check_flag, check_materialised, check_module, check_workers,
                         default_partitions, resolve_devices, resolve_virtual_stages, split)
 from .runtime import graphs, weight_versions
-from .runtime.inprocess import InProcessDriver
+from .runtime.drivers.in_process import InProcessDriver
 from .runtime.stage import Stage
-from .runtime.workers import WorkerPolicy
+from .autotune.workers import WorkerPolicy
 from .skip import exchange as skip_exchange, layout as skip_layout
 
 
@@ -35,7 +35,7 @@ class Pipe(StagesStayPut, FrontDoor):
         chunks: number of micro-batches each batch is split into (``torch.chunk`` semantics: a
             batch of 5 in 4 chunks gives micro-batches of 2, 2 and 1). ``'auto'``: the first
             training steps measure the throughput of candidate counts and the pipe keeps the
-            best (``fastpipe.runtime.adaptive``; logged, measurements in ``chunk_search``).
+            best (``fastpipe.autotune.chunk_count``; logged, measurements in ``chunk_search``).
         devices: one device per stage (``'cpu'``, ``'cuda:N'``; a device may repeat). Default: the
             CUDA devices, or the CPU.
         balance: layers per stage. ``None`` splits by parameter count into one stage per device;
@@ -49,7 +49,8 @@ class Pipe(StagesStayPut, FrontDoor):
             ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``), or
             ``'auto'``: the first ``train_step`` runs 1F1B (looped BFS with virtual stages),
             measures each action, and the pipe keeps the schedule the simulator predicts fastest
-            for those costs (see ``fastpipe.runtime.auto``; the choice is logged and kept in
+            for those costs (see ``fastpipe.autotune.schedule_choice``; the choice is logged and
+            kept in
             ``auto_ranking``).
         virtual_stages: model chunks per device, for interleaved and V-shaped schedules; then
             ``balance`` lists ``len(devices) * virtual_stages`` chunk sizes in model order and

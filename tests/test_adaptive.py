@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fastpipe
-from fastpipe.runtime.adaptive import ChunkSearch, candidate_counts, first_count
+from fastpipe.autotune.chunk_count import ChunkSearch, candidate_counts, first_count
 
 from helpers import assert_same_grads, grads_of, mlp, reference
 

@@ -148,6 +148,7 @@ LAYERS = [
     ("fastpipe.runtime", "fastpipe.skip"),
     ("fastpipe.parallel",),
     ("fastpipe.generation",),
+    ("fastpipe.autotune",),
     ("fastpipe.frontdoor",),
     ("fastpipe.pipe", "fastpipe.distributed", "fastpipe.compat"),
     ("fastpipe.diagnosis", "fastpipe.checkpoint"),

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from fastpipe.errors import ProcessGroupError
-from fastpipe.runtime import backends
+from fastpipe.runtime.transport import backends
 
 
 class Group:

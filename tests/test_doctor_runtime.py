@@ -18,7 +18,7 @@ from torch import nn
 import fastpipe
 from fastpipe import Pipe
 from fastpipe.apps.doctor_cli import main as doctor_main
-from fastpipe.runtime import labels
+from fastpipe.runtime.observe import profiler_ranges
 from fastpipe.schedule import render
 from fastpipe.schedule.timeline import Timeline
 
@@ -61,7 +61,7 @@ def test_every_action_appears_as_a_profiler_range_on_the_worker_threads(tmp_path
     prof.export_chrome_trace(str(path))
     ranges = {e["name"]: e["tid"] for e in json.loads(path.read_text())["traceEvents"]
               if str(e.get("name", "")).startswith("fastpipe/")}
-    expected = {labels.label(a) for row in pipe.plan(4).actions for a in row}
+    expected = {profiler_ranges.label(a) for row in pipe.plan(4).actions for a in row}
     assert set(ranges) == expected
     assert threading.get_native_id() not in set(ranges.values())  # the workers' threads
 
@@ -69,7 +69,7 @@ def test_every_action_appears_as_a_profiler_range_on_the_worker_threads(tmp_path
 def test_trace_and_profiler_merge_into_one_file_the_doctor_reads(tmp_path, capsys):
     pipe = sleepy_pipe(unit=0.001)
     profiled = tmp_path / "profile.json"
-    with labels.profile() as prof, pipe.trace() as t:
+    with profiler_ranges.profile() as prof, pipe.trace() as t:
         pipe.train_step(*batch(), mse)
     prof.export_chrome_trace(str(profiled))
     merged = tmp_path / "merged.json"
@@ -102,8 +102,8 @@ def test_a_profiler_of_the_calling_thread_alone_warns_that_workers_are_unseen():
 def test_no_profiler_no_range():
     stage = type("Stage", (), {"stream": None})()
     action = fastpipe.Action(0, "F", 0)
-    assert not labels.profiling()
-    with labels.action_range(stage, action) as entered:
+    assert not profiler_ranges.profiling()
+    with profiler_ranges.action_range(stage, action) as entered:
         assert entered is None
 
 
@@ -223,13 +223,13 @@ def test_cuda_stages_get_nvtx_and_profiler_ranges_and_a_traced_bubble(tmp_path):
     x, y = batch()
     pipe.train_step(x, y, mse)
     assert pipe.last_step.bubble_fraction is None  # the host only launched the actions
-    with labels.profile() as prof, pipe.trace() as t:
+    with profiler_ranges.profile() as prof, pipe.trace() as t:
         pipe.train_step(x, y, mse)
     assert 0.0 <= pipe.last_step.bubble_fraction < 1.0  # from the CUDA events
     path = tmp_path / "profile.json"
     prof.export_chrome_trace(str(path))
     names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
-    assert {labels.label(a) for row in pipe.plan(4).actions for a in row} <= names
+    assert {profiler_ranges.label(a) for row in pipe.plan(4).actions for a in row} <= names
     assert t.contexts[0].memory_peak[0] > 0 and t.contexts[0].memory_limit[0] > 0
     t.write(tmp_path / "cuda.json")
     assert _cli(tmp_path / "cuda.json") == 0

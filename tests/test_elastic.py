@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from dist_launch import describe
 from elastic_launch import AgentStore, attempt, torchrun
-from fastpipe.runtime import backends
-from fastpipe.runtime.board import Board
-from fastpipe.runtime.liveness import unreachable
+from fastpipe.runtime.transport import backends
+from fastpipe.runtime.failure.board import Board
+from fastpipe.runtime.failure.liveness import unreachable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "elastic_job.py")

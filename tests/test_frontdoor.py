@@ -10,7 +10,7 @@ from torch import nn
 
 import fastpipe
 from fastpipe.frontdoor import Layout, loss_weights, parse_layout
-from fastpipe.runtime.inprocess import InProcessDriver
+from fastpipe.runtime.drivers.in_process import InProcessDriver
 
 
 def test_parse_layout_checks_and_freezes_the_arguments():

@@ -10,7 +10,7 @@ from torch import nn
 
 import fastpipe
 from fastpipe.runtime.lowering import lowering, skip_links
-from fastpipe.runtime.mailbox import Mailbox
+from fastpipe.runtime.transport.mailbox import Mailbox
 from fastpipe.schedule import (Comm, CommGroup, CommKind, Schedule, ScheduleError, SkipLink,
                                format_program, get_schedule, lower, run_lockstep)
 from helpers import assert_same_grads, grads_of, reference

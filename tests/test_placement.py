@@ -23,7 +23,7 @@ class _Step:
 
 
 def test_worker_policy_adapts_to_action_time_with_hysteresis():
-    from fastpipe.runtime.workers import WorkerPolicy
+    from fastpipe.autotune.workers import WorkerPolicy
     policy = WorkerPolicy([CPU] * 4, None)
     most = policy.current
     policy.observe(_Step([0.001, 0.001], 100))  # 20 us per action: one thread

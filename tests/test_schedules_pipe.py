@@ -118,7 +118,7 @@ def test_auto_schedule_measures_then_chooses(virtual, caplog):
 
 
 def test_auto_stage_costs_from_a_timeline():
-    from fastpipe.runtime.auto import stage_costs
+    from fastpipe.autotune.schedule_choice import stage_costs
     from fastpipe.schedule import Timeline
     plan = get_schedule("1f1b", 2, 2)
     intervals = [(0, "0F0", 0, 1), (0, "0F1", 1, 2), (1, "1F0", 2, 5), (1, "1B0", 5, 11),

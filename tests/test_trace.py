@@ -57,7 +57,7 @@ def test_forward_is_traced_too_and_empty_trace_is_an_error():
 
 def test_waiting_for_a_gpu_event_is_bounded_and_says_what_it_waited_for():
     from fastpipe.errors import PipelineTimeout
-    from fastpipe.runtime.trace import wait_for_event
+    from fastpipe.runtime.observe.trace import wait_for_event
 
     class Never:  # an event whose work never finishes
         def query(self):

@@ -9,12 +9,13 @@ import torch
 from collections import Counter
 
 from fastpipe.runtime.dist_executor import last_gradient_actions
-from fastpipe.runtime.grad_sync import buckets
+from fastpipe.runtime.gradients.data_parallel import buckets
 from fastpipe.runtime.lowering import lowering, skip_links
-from fastpipe.runtime.message import TENSOR as _TENSOR, Message, flatten as _flatten
-from fastpipe.runtime.p2p import Channels, from_meta, to_meta
-from fastpipe.runtime.hop import Parcel
-from fastpipe.runtime.wire import ALIGN, HEADER_LEN, Header, Meta, layouts_of, pack, payload_size, unpack
+from fastpipe.runtime.transport.message import TENSOR as _TENSOR, Message, flatten as _flatten
+from fastpipe.runtime.transport.p2p import Channels, from_meta, to_meta
+from fastpipe.runtime.transport.device_copy import Parcel
+from fastpipe.runtime.transport.wire import (ALIGN, HEADER_LEN, Header, Meta, layouts_of, pack,
+    payload_size, unpack)
 from fastpipe.schedule import CommKind, get_schedule
 from fastpipe.skip.layout import StageSkips
 

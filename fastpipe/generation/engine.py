@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..runtime.dist_executor import DistributedExecutor, Topology
-from ..runtime.message import TENSOR, post, take, unflatten
-from ..runtime.per_rank import RemoteStage
+from ..runtime.transport.message import TENSOR, post, take, unflatten
+from ..runtime.drivers.per_rank import RemoteStage
 from ..runtime.stage import order_streams
 from ..runtime.step import StepState
 from ..schedule import Action, ActionKind, Schedule

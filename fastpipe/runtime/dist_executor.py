@@ -1,9 +1,10 @@
 """The distributed executor: one rank runs its own stage's program, messages go over p2p.
 
 It is the local executor with different wiring: the mailboxes of other ranks' stages are
-:class:`~fastpipe.runtime.p2p.Outbox` objects that send, and when the next action lacks a
+:class:`~fastpipe.runtime.transport.p2p.Outbox` objects that send, and when the next action lacks a
 message, the worker takes it (and any sent before it) from the sending peer's
-:class:`~fastpipe.runtime.p2p.Inbox`, whose receives are posted ahead of the compute. Which
+:class:`~fastpipe.runtime.transport.p2p.Inbox`, whose receives are posted ahead of the compute.
+Which
 messages a step takes from which peer, and which peer sends a missing one, come from the
 step's lowered programs (:mod:`fastpipe.runtime.lowering`), as on one process. The
 handlers (F, B, W) are the very same. A failing rank sends its peers a failure notice and posts
@@ -28,15 +29,15 @@ from ..schedule import (Action, ActionKind, Comm, CommGroup, CommKind, Op, Paylo
                         SkipLink)
 from ..schedule.nccl import pair_key
 from ..schedule.lower import comm_fields
-from .board import CHECK_EVERY, Board
+from .failure.board import CHECK_EVERY, Board
 from .executor import LocalExecutor, Rows
-from .grouped import GroupedExchange, Posted, Stash
+from .transport.grouped import GroupedExchange, Posted, Stash
 from .lowering import Route, is_ready, lowering, nccl_programs
-from .mailbox import Mailbox
-from .p2p import (Channels, Inbox, Outbox, PeerFailed, PeerPayloads, SendLog, StepInfo,
-                  Transport, TransportError, send_failure)
+from .transport.mailbox import Mailbox
+from .transport.p2p import (Channels, Inbox, Outbox, PeerFailed, PeerPayloads, SendLog, StepInfo,
+    Transport, TransportError, send_failure)
 from .step import StepState
-from .wire import Header
+from .transport.wire import Header
 
 
 @dataclass

@@ -21,9 +21,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
                       describe, located)
 from ..schedule import Action, ActionKind, Schedule, SkipLink
-from .labels import action_range
+from .observe.profiler_ranges import action_range
 from .lowering import Route, is_ready, lowering, skip_links
-from .mailbox import Mailbox
+from .transport.mailbox import Mailbox
 from .stage import Stage
 from .step import HANDLERS, StepState
 

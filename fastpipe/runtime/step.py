@@ -20,13 +20,13 @@ from ..policies.checkpoint import (backward_pairs, checkpointing, grad_pairs, mi
 from ..policies import offload
 from ..errors import LossFunctionError
 from ..model_loss import Bound as ModelLossStep
-from .token_mean import split_count
+from .gradients.token_mean import split_count
 from ..policies.selective import run_stage
 from ..schedule import Action, ActionKind
-from .hop import land, ship
+from .transport.device_copy import land, ship
 from .lowering import Place, Route
-from .mailbox import Abort, Mailbox
-from .message import TENSOR, as_leaf, flatten, post, post_grads, take, unflatten
+from .transport.mailbox import Abort, Mailbox
+from .transport.message import TENSOR, as_leaf, flatten, post, post_grads, take, unflatten
 from .stage import Stage
 
 

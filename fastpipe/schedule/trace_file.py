@@ -130,7 +130,7 @@ def merge_chrome_traces(ours: Mapping[str, Any], profiler: Mapping[str, Any]) ->
     """One Chrome trace holding a ``torch.profiler`` trace and a fastpipe one (``chrome_trace``
     of a measured timeline): the fastpipe lanes become one more process, shifted onto the
     profiler's clock by the ``fastpipe/<action>`` ranges both hold (profile every thread:
-    ``fastpipe.runtime.labels.profile()``). The fastpipe context stays under
+    ``fastpipe.runtime.observe.profiler_ranges.profile()``). The fastpipe context stays under
     ``otherData.fastpipe``, so the doctor reads the merged file too."""
     theirs = profiler.get("traceEvents") if isinstance(profiler, Mapping) else None
     if not isinstance(theirs, list):
@@ -145,7 +145,7 @@ def merge_chrome_traces(ours: Mapping[str, Any], profiler: Mapping[str, Any]) ->
     if not shifts:
         raise TraceFileError("the profiler trace holds none of this step's fastpipe/ ranges: "
                                "profile the same step, with every thread recorded "
-                               "(fastpipe.runtime.labels.profile())")
+                               "(fastpipe.runtime.observe.profiler_ranges.profile())")
     shift, pid = shifts[len(shifts) // 2], _free_pid(theirs)
     moved = [{**e, "pid": pid, **({"ts": e["ts"] + shift} if "ts" in e else {})}
              for e in ours["traceEvents"]]

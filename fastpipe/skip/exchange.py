@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..runtime.lowering import Route
-from ..runtime.message import as_leaf, post, post_grads, take
+from ..runtime.transport.message import as_leaf, post, post_grads, take
 from ..runtime.step import StepState
 from ..schedule import ActionKind
 from . import api

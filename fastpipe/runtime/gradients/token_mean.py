@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from ..errors import LossFunctionError
+from ...errors import LossFunctionError
 
 
 def split_count(value: Any, microbatch: int) -> Tuple[Any, Optional[float]]:

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..ops.transfer import transfer
+from ...ops.transfer import transfer
 
 
 @dataclass

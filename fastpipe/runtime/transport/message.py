@@ -13,7 +13,7 @@ from typing import Any, Hashable, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from .hop import Parcel, land, ship
+from .device_copy import Parcel, land, ship
 
 TENSOR = object()  # marks where a tensor sits among a message's leaves
 BARE = object()  # the spec of a value that is a single tensor (the common case, kept fast)

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..errors import ProcessGroupError
+from ...errors import ProcessGroupError
 
 P2P_MODES = ("auto", "tagged", "grouped")
 """``DistributedPipe(p2p=...)``: ``'tagged'`` sends each message when it is produced and takes it

@@ -13,11 +13,11 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..schedule import Action, Schedule
-from ..schedule.timeline import Timeline
-from . import closing, grad_norm
-from .step import StepState
-from .trace import StepRecorder
+from ...schedule import Action, Schedule
+from ...schedule.timeline import Timeline
+from ..gradients import closing, grad_norm
+from ..step import StepState
+from ..observe.trace import StepRecorder
 
 
 class Driver:

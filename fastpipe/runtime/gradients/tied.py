@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .board import Board, wait_work
+from ..failure.board import Board, wait_work
 
 
 @dataclass

@@ -5,27 +5,35 @@ or captures CUDA graphs, and lets the worker policy pick the thread count of the
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from ..policies import batchnorm
-from ..policies.tied import TiedGradients
-from ..schedule import Action, Schedule
-from ..schedule.timeline import Timeline
-from . import adaptive, graphs
-from .driver import Driver
-from .stage import Stage, order_streams
-from .step import StepState
-from .trace import StepRecorder
-from .workers import WorkerPolicy
+from ...policies import batchnorm
+from ...policies.tied import TiedGradients
+from ...schedule import Action, Schedule
+from ...schedule.timeline import Timeline
+from .. import graphs
+from .base import Driver
+from ..stage import Stage, order_streams
+from ..step import StepState
+from ..observe.trace import StepRecorder, wait_for
+
+
+class WorkerPool(Protocol):
+    """Who runs a step's programs (``fastpipe.autotune.workers.WorkerPolicy``): the executor
+    with the current thread count, told about each finished step."""
+
+    def executor(self) -> Any: ...
+
+    def observe(self, step: StepState) -> None: ...
 
 
 class InProcessDriver(Driver):
     """Runs a step's programs on this process's worker threads."""
 
     def __init__(self, stages: Sequence[Stage], devices: Sequence[torch.device],
-                 workers: WorkerPolicy, tied_grads: TiedGradients, timeout: float) -> None:
+                 workers: WorkerPool, tied_grads: TiedGradients, timeout: float) -> None:
         self.stages = list(stages)
         self.devices = tuple(devices)
         self.workers = workers
@@ -60,4 +68,4 @@ class InProcessDriver(Driver):
         return (loss / total if total > 0 else loss * 0.0), total
 
     def wait_for_devices(self) -> None:
-        adaptive.wait_for(self.devices, self.timeout)
+        wait_for(self.devices, self.timeout)

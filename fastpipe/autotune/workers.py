@@ -13,8 +13,8 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ..placement import worker_groups
-from .executor import LocalExecutor
-from .step import StepState
+from ..runtime.executor import LocalExecutor
+from ..runtime.step import StepState
 
 #: Below this mean action time (seconds) the CPU stages share one thread ...
 SMALL_ACTION_S = 200e-6
@@ -36,7 +36,8 @@ class WorkerPolicy:
     def executor(self) -> LocalExecutor:
         """The executor with the current number of CPU threads (made on first use)."""
         if self.current not in self._executors:
-            self._executors[self.current] = LocalExecutor(worker_groups(self.devices, self.current))
+            groups = worker_groups(self.devices, self.current)
+            self._executors[self.current] = LocalExecutor(groups)
         return self._executors[self.current]
 
     def observe(self, step: StepState) -> None:

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..errors import PeerLost, PipelineAborted, PipelineError, PipelineTimeout
-from .backends import attempt_scope
+from ...errors import PeerLost, PipelineAborted, PipelineError, PipelineTimeout
+from ..transport.backends import attempt_scope
 from .liveness import Liveness, unreachable
 
 CHECK_EVERY = 0.2  # seconds between looks at the board while waiting

@@ -16,10 +16,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..schedule.trace_file import StepContext
-from ..placement import worker_groups
-from . import labels
-from .step import StepState
+from ...schedule.trace_file import StepContext
+from ...placement import worker_groups
+from . import profiler_ranges
+from ..step import StepState
 
 __all__ = ["StepStats", "finish_step"]
 
@@ -73,7 +73,7 @@ def finish_step(door: Any, step: StepState, samples: int, started: float) -> Non
     """Record a finished training step of ``door`` (a ``Pipe`` or ``DistributedPipe``) that
     began at ``started`` (``time.perf_counter()``) and ran ``samples`` samples."""
     now = time.perf_counter()
-    labels.warn_if_workers_unseen()
+    profiler_ranges.warn_if_workers_unseen()
     trace = getattr(door, "_trace", None)
     timeline = trace.timelines[-1] if trace is not None and trace.timelines else None
     stats = StepStats(samples, now - started, _busy(step, timeline), _local_stages(step),

@@ -20,7 +20,7 @@ from typing import Any, ContextManager
 import torch
 from torch.autograd import profiler as _autograd_profiler
 
-from ..schedule import Action
+from ...schedule import Action
 
 __all__ = ["action_range", "label", "profile", "warn_if_workers_unseen"]
 

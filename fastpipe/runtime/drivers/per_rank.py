@@ -15,22 +15,22 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from .. import microbatch
-from ..policies import amp, batchnorm
-from ..errors import NonFiniteError, PeerLost, PipelineAborted, PipelineError
-from ..schedule import Action, Schedule
-from ..schedule.timeline import Timeline
-from . import backends
-from .board import Board, wait_work
-from .dist_executor import DistributedExecutor, Topology, last_gradient_actions
-from . import closing, grad_norm
-from .driver import Driver, scaler_found_inf
-from .grad_sync import GradSync
-from .lowering import skip_links
-from .stage import order_streams
-from .step import StepState
-from .tied_sync import TiedSync
-from .trace import StepRecorder
+from ... import microbatch
+from ...policies import amp, batchnorm
+from ...errors import NonFiniteError, PeerLost, PipelineAborted, PipelineError
+from ...schedule import Action, Schedule
+from ...schedule.timeline import Timeline
+from ..transport import backends
+from ..failure.board import Board, wait_work
+from ..dist_executor import DistributedExecutor, Topology, last_gradient_actions
+from ..gradients import closing, grad_norm
+from .base import Driver, scaler_found_inf
+from ..gradients.data_parallel import GradSync
+from ..lowering import skip_links
+from ..stage import order_streams
+from ..step import StepState
+from ..gradients.tied import TiedSync
+from ..observe.trace import StepRecorder
 
 NAME_BYTES = 256  # a parameter name, as sent to every rank in a non-finite step's error
 _instances = itertools.count()  # ranks build their pipes in the same order: same ids everywhere

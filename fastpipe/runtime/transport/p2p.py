@@ -19,11 +19,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..errors import PipelineError
-from ..schedule import Comm, CommKind, Payload, SkipLink
-from ..schedule.lower import comm_from
-from .hop import Parcel
-from .lowering import carries_loss
+from ...errors import PipelineError
+from ...schedule import Comm, CommKind, Payload, SkipLink
+from ...schedule.lower import comm_from
+from .device_copy import Parcel
+from ..lowering import carries_loss
 from .mailbox import Mailbox
 from .message import BARE, TENSOR, Message
 from .wire import HEADER_LEN, LOSS_DTYPES, Header, Meta, layouts_of, pack, unpack

@@ -14,9 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, List, Optional, Sequence
 
-import torch
 
-from .trace import wait_for_event
 
 LOG = logging.getLogger("fastpipe")
 
@@ -136,14 +134,3 @@ class ChunkSearch:
         table = ", ".join(f"{c}: {self.throughput(c):.1f}" for c in sorted(self.measurements))
         LOG.info("chunks='auto' chose %d micro-batches; measured samples/s per count: %s",
                  self.chosen, table)
-
-
-def wait_for(devices: Sequence[torch.device], timeout: float) -> None:
-    """Wait (at most ``timeout`` seconds) for the GPUs' queued work, so a measured step time
-    covers the work, not its launch."""
-    for device in set(devices):
-        if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            wait_for_event(event, timeout, f"{device} to finish the step timed for "
-                                           f"chunks='auto'")

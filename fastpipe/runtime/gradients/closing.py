@@ -1,7 +1,8 @@
 """The close of a training step: what every process reports once its gradients are final, and
 the one verdict all of them reach from the reports.
 
-Each process reports its share of the gradient norm (:mod:`fastpipe.runtime.grad_norm`), the
+Each process reports its share of the gradient norm
+(:mod:`fastpipe.runtime.gradients.grad_norm`), the
 first parameter whose gradient is not finite and the first micro-batch whose loss is not finite
 (as a :class:`Report`, a few numbers). A ``Pipe`` reads its one report; the ranks of a
 ``DistributedPipe`` gather every rank's report in one collective, which is also the step's
@@ -17,7 +18,7 @@ from typing import List, Mapping, Optional, Sequence
 
 import torch
 
-from ..errors import NonFiniteError
+from ...errors import NonFiniteError
 from . import grad_norm
 
 REPORT_LEN = 5

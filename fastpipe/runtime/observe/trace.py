@@ -11,15 +11,15 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..schedule.trace_file import StepContext, merge_chrome_traces
-from ..errors import PipelineTimeout
-from ..schedule import Action
-from ..schedule.render import chrome_trace
-from ..schedule.timeline import Timeline
+from ...schedule.trace_file import StepContext, merge_chrome_traces
+from ...errors import PipelineTimeout
+from ...schedule import Action
+from ...schedule.render import chrome_trace
+from ...schedule.timeline import Timeline
 
 
 @dataclass
@@ -92,6 +92,18 @@ def wait_for_event(event: Any, timeout: float, what: str, **where: Any) -> None:
         if time.monotonic() > deadline:
             raise PipelineTimeout(f"timed out after {timeout:g}s waiting for {what}", **where)
         time.sleep(1e-4)
+
+
+def wait_for(devices: Sequence[torch.device], timeout: float) -> None:
+    """Wait (at most ``timeout`` seconds) for the GPUs' queued work, so a measured step time
+    covers the work, not its launch."""
+    for device in set(devices):
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            wait_for_event(event, timeout, f"{device} to finish the step timed for "
+                                           f"chunks='auto'")
+
 
 
 class Trace:

@@ -25,15 +25,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..errors import PipelineError
-from ..schedule import Comm, CommGroup, CommKind
-from ..schedule.lower import comm_fields
-from ..schedule.nccl_model import consumer_of
-from .lowering import carries_loss
+from ...errors import PipelineError
+from ...schedule import Comm, CommGroup, CommKind
+from ...schedule.lower import comm_fields
+from ...schedule.nccl_model import consumer_of
+from ..lowering import carries_loss
 from .mailbox import Mailbox
 from .message import Message
 from .p2p import (ABORT_KIND, HEADER_TAG, META_TAG, PAYLOAD_TAG, PeerFailed, SendLog, Transport,
-                  TransportError, from_meta, to_meta)
+    TransportError, from_meta, to_meta)
 from .wire import HEADER_LEN, Header, Meta, pack, unpack
 
 SizeKey = Tuple[int, int, int, int]  # (sending stage, channel, receiving stage, micro-batch)
