@@ -7,10 +7,11 @@ for backward, measured by ``fastpipe.memory``), and a picture of the last step's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
-from typing import List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 
@@ -89,6 +90,16 @@ def _build(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Pipe:
 VOCAB = 32
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the demo's training loop measured: losses, samples per second, traced timelines."""
+
+    losses: List[float] = dataclasses.field(default_factory=list)
+    rates: List[float] = dataclasses.field(default_factory=list)
+    timelines: List[Any] = dataclasses.field(default_factory=list)
+    last_trace: Any = None
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Parse the demo's options, build the pipeline, train it and print the report."""
     parser = _parser()
@@ -96,29 +107,29 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.manual_seed(0)
     pipe = _build(args, parser)
     _describe(pipe, args)
+    meter = SavedActivationMeter(pipe.partitions)
+    run = _train(pipe, args, meter)
+    losses = run.losses
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+          f"({'falling' if losses[-1] < losses[0] else 'NOT falling'})")
+    _report(pipe, args, run.rates, run.timelines, meter)
+    if run.timelines:  # where the last step's time went, and what to change
+        print(f"\npipeline doctor, last step:\n{doctor(run.last_trace)}")
+
+
+def _train(pipe: Pipe, args: argparse.Namespace, meter: SavedActivationMeter) -> _Run:
+    """Train for ``args.steps`` steps with a progress bar; the last ``measure_steps`` are
+    traced and their saved activations metered."""
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(0)
     every = args.print_every or max(1, args.steps // 10)
     measured_from = max(1, args.steps - args.measure_steps + 1)
-    meter = SavedActivationMeter(pipe.partitions)
-    losses, rates, timelines = [], [], []
-    bar = progress(args.steps, desc="training")
+    run, bar = _Run(), progress(args.steps, desc="training")
     try:
         for step in range(1, args.steps + 1):
-            inputs, targets = counting_task(args.batch, args.seq, VOCAB, data)
             if step == measured_from:
                 meter.__enter__()
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            if step >= measured_from:
-                with pipe.trace() as trace:
-                    loss = pipe.train_step(inputs, targets, lm_loss, optimizer=optimizer).item()
-                timelines.append(trace.timeline)
-                last_trace = trace
-            else:
-                loss = pipe.train_step(inputs, targets, lm_loss, optimizer=optimizer).item()
-            rates.append(args.batch / (time.perf_counter() - start))
-            losses.append(loss)
+            loss = _step(pipe, args, optimizer, data, run, traced=step >= measured_from)
             bar.update(f"loss {loss:.4f}, {pipe.last_step.summary}")
             if step == 1 and args.schedule == "auto":
                 bar.write(f"schedule='auto' chose {pipe.schedule} after measuring the first step")
@@ -127,11 +138,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     finally:
         bar.close()
         meter.__exit__(None, None, None)
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-          f"({'falling' if losses[-1] < losses[0] else 'NOT falling'})")
-    _report(pipe, args, rates, timelines, meter)
-    if timelines:  # where the last step's time went, and what to change
-        print(f"\npipeline doctor, last step:\n{doctor(last_trace)}")
+    return run
+
+
+def _step(pipe: Pipe, args: argparse.Namespace, optimizer: torch.optim.Optimizer,
+          data: torch.Generator, run: _Run, traced: bool) -> float:
+    """One training step on a fresh batch, timed (and traced when ``traced``)."""
+    inputs, targets = counting_task(args.batch, args.seq, VOCAB, data)
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    if traced:
+        with pipe.trace() as trace:
+            loss = pipe.train_step(inputs, targets, lm_loss, optimizer=optimizer).item()
+        run.timelines.append(trace.timeline)
+        run.last_trace = trace
+    else:
+        loss = pipe.train_step(inputs, targets, lm_loss, optimizer=optimizer).item()
+    run.rates.append(args.batch / (time.perf_counter() - start))
+    run.losses.append(loss)
+    return loss
 
 
 def _describe(pipe: Pipe, args: argparse.Namespace) -> None:
