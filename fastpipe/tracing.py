@@ -17,6 +17,10 @@ one that says which tensors a stage uses and updates); the eval graph is traced 
 once for all the stages of the module: when they enter eval mode (``pipe.eval()``,
 ``pipe.evaluate(...)``), else before the first step that runs them in eval mode
 (:func:`prepare`), else at their first eval-mode forward.
+
+The pieces live next to this module: the inputs (:mod:`fastpipe.model_call`), the split points
+(:mod:`fastpipe.split_points`), the cut of a traced graph into stages (:mod:`fastpipe.graph_cut`)
+and the stage module (:mod:`fastpipe.graph_stage`). This module traces, and builds the stages.
 """
 from __future__ import annotations
 
@@ -25,24 +29,24 @@ import inspect
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import (Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple,
-                    Union)
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from . import materialise
-from .balance import solve
+from .graph_cut import Traced, plan
+from .graph_cut import stage_graph as _stage_graph
+from .graph_stage import GraphStage, place_constants
+from .model_call import Call, as_call
+from .split_points import auto_split_points, check_split_points
+
+__all__ = ["Call", "GraphStage", "Split", "SplitPoints", "TraceError", "Traced", "as_call",
+           "auto_split_points", "check_split_points", "local_view", "place_constants", "prepare",
+           "split", "stage_count", "stages_of", "trace", "trace_mode", "wanted"]
 
 SplitPoints = Union[str, Sequence[str]]
-
-
-class Call(NamedTuple):
-    """Positional and keyword inputs of a model, as one pytree (micro-batched like any input)."""
-
-    args: Tuple[Any, ...]
-    kwargs: Dict[str, Any]
 
 
 class TraceError(TypeError):
@@ -56,62 +60,6 @@ class Split:
     module: nn.Module
     stages: nn.Sequential
     split_points: List[str]
-
-
-def as_call(inputs: Any) -> Call:
-    """A model's inputs as ``Call``: a ``Call`` as is, a dict as keyword inputs, a tuple as
-    positional inputs, anything else as the one positional input."""
-    if isinstance(inputs, Call):
-        return inputs
-    if isinstance(inputs, dict):
-        return Call((), dict(inputs))
-    if isinstance(inputs, tuple):
-        return Call(tuple(inputs), {})
-    return Call((inputs,), {})
-
-
-# ------------------------------------------------------------------------------ split points
-def check_split_points(module: nn.Module, split_points: Sequence[str]) -> List[str]:
-    """Each split point must name a submodule; returns them as a list."""
-    if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
-        raise TypeError(f"split_points must be a list of submodule names (e.g. "
-                        f"['transformer.h.4']) or 'auto', got {split_points!r}")
-    names = dict(module.named_modules())
-    points = list(split_points)
-    for point in points:
-        if point not in names or point == "":
-            close = [n for n in names if n and n.split(".")[-1] == point.split(".")[-1]][:3]
-            hint = f"; did you mean {close}?" if close else ""
-            raise ValueError(f"split_points names {point!r}, which is not a submodule of "
-                             f"{type(module).__name__}{hint} (see module.named_modules())")
-    if len(set(points)) != len(points):
-        raise ValueError(f"split_points={points} names a submodule twice")
-    return points
-
-
-def auto_split_points(module: nn.Module, stages: int) -> List[str]:
-    """Split points that cut the module's largest list of same-type blocks (a ``ModuleList`` or
-    ``Sequential``) into ``stages`` parts of about equal parameter count."""
-    best: Optional[Tuple[str, List[nn.Module]]] = None
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) > 1:
-            children = list(sub)
-            if len({type(c) for c in children}) == 1 and (best is None or
-                                                          len(children) > len(best[1])):
-                best = (name, children)
-    if best is None:
-        raise ValueError(f"split_points='auto' found no list of repeated blocks (an "
-                         f"nn.ModuleList or nn.Sequential of same-type modules) in "
-                         f"{type(module).__name__}; give split_points=[...] by name")
-    prefix, blocks = best
-    if stages > len(blocks):
-        raise ValueError(f"split_points='auto' needs at least {stages} blocks for {stages} "
-                         f"stages, but {prefix or 'the module'} has {len(blocks)}; use fewer "
-                         f"devices or give split_points=[...] by name")
-    costs = [1.0 + sum(p.numel() for p in b.parameters()) for b in blocks]
-    sizes = solve(costs, stages)
-    starts = [sum(sizes[:k]) for k in range(1, stages)]
-    return [f"{prefix}.{i}" if prefix else str(i) for i in starts]
 
 
 # ------------------------------------------------------------------------------ tracing
@@ -141,360 +89,6 @@ def trace(module: nn.Module, example: Call) -> fx.GraphModule:
     return program.module()
 
 
-# ------------------------------------------------------------------------------ splitting
-def _stage_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> Dict[fx.Node, int]:
-    """Stage of every computing node: split point ``k`` begins stage ``k + 1``; nodes between
-    blocks stay in the current stage; a node of an earlier split module after a later one is
-    an error (split points out of execution order)."""
-    index = {p: k + 1 for k, p in enumerate(split_points)}
-    stage_of: Dict[fx.Node, int] = {}
-    current = 0
-    for node in graph.nodes:
-        if node.op in ("placeholder", "get_attr", "output"):
-            continue
-        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
-        found = [index[p] for path in paths for p in _prefixes(path) if p in index]
-        if found:
-            stage = max(found)
-            if stage < current:
-                raise ValueError(
-                    f"split_points are out of execution order: {split_points[stage - 1]!r} "
-                    f"runs after {split_points[current - 1]!r}; list them in the order the "
-                    f"forward runs them")
-            current = stage
-        stage_of[node] = current
-    seen = set(stage_of.values())
-    missing = [p for p, k in index.items() if k not in seen]
-    if missing:
-        raise ValueError(f"split_points names {missing}, which the traced forward never runs "
-                         f"(or runs no operation in); choose submodules the forward calls")
-    return stage_of
-
-
-def _prefixes(path: str) -> List[str]:
-    parts = path.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-
-
-def _plan(gm: fx.GraphModule, split_points: Sequence[str]
-          ) -> Tuple[Dict[fx.Node, int], List[List[fx.Node]], fx.Node]:
-    """Stages of the nodes, and the carries: ``carries[k]`` lists (in graph order) the values
-    defined up to stage ``k`` that a later stage reads; ``carries[-1]`` are the outputs."""
-    graph = gm.graph
-    stage_of = _stage_of_nodes(graph, split_points)
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            stage_of[node] = 0
-    output = next(n for n in graph.nodes if n.op == "output")
-    last = len(split_points)
-    carries: List[List[fx.Node]] = []
-    for k in range(last):
-        live = [n for n in graph.nodes if n in stage_of and stage_of[n] <= k and
-                any(stage_of.get(u, last) > k for u in n.users)]
-        carries.append(live)
-    return stage_of, carries, output
-
-
-class GraphStage(nn.Module):
-    """One stage of a traced module: the graphs (train and eval) of its operations, taking the
-    previous stage's carry (the model's inputs for the first stage) and returning its own (the
-    model's outputs, in the model's own structure, for the last).
-
-    ``graphs`` holds the train graph (``True``) and, if already traced, the eval one
-    (``False``); without it, the eval graph is traced from ``source`` when first needed and
-    reads this stage's tensors (those of its train graph)."""
-
-    def __init__(self, graphs: Dict[bool, fx.GraphModule], first: bool,
-                 in_specs: Dict[bool, Any], out_specs: Optional[Dict[bool, Any]],
-                 owner: nn.Module, source: Optional["_Source"] = None, index: int = 0) -> None:
-        super().__init__()
-        if False not in graphs and source is None:
-            raise TypeError("GraphStage needs graphs[False] (the eval graph) or the source to "
-                            "trace it from")
-        self.train_graph = graphs[True]
-        # the eval graph: a module from the start (modes, casts and moves reach it), filled in
-        # place when traced, so ``evaluate()``'s restored modes cover it
-        self.eval_graph = graphs[False] if False in graphs else _empty_graph(index)
-        self._first = first
-        self._index = index
-        self._in_specs = dict(in_specs)
-        self._out_specs = None if out_specs is None else dict(out_specs)
-        self._owner = [owner]  # not a submodule: its parameters are the graphs' already
-        self._source = source
-        self._traced = {True: True, False: False in graphs}
-        self._eval_targets: Dict[str, str] = {}  # eval graph attribute -> train graph target
-        self._placed: Optional[torch.device] = None  # where _apply last put the constants
-
-    def _apply(self, fn: Any, recurse: bool = True) -> "GraphStage":
-        """Moving the stage (``.to(device)``, ``.cuda()``, ``to_empty``) moves its parameters and
-        also the device constants its graphs were traced with (``torch.arange(...,
-        device=...)``), so a stage traced on the CPU runs on the device it is placed on. A cast
-        leaves the constants where the tensors are."""
-        result = super()._apply(fn, recurse)
-        self._share_tensors()
-        device = self._tensor_device()
-        if device is None:  # no tensors: where ``fn`` takes a tensor
-            try:
-                device = fn(torch.empty(0, device=self._placed or "cpu")).device
-            except Exception:  # noqa: BLE001 - a conversion that is not a move leaves constants
-                return result
-        self._placed = device
-        for graph in (self.train_graph, self.eval_graph):
-            place_constants(graph, device)
-        return result
-
-    def train(self, mode: bool = True) -> "GraphStage":
-        """Train or eval mode; entering eval mode traces the eval graph if not yet traced (here,
-        before any step, rather than inside the first eval-mode step)."""
-        super().train(mode)
-        if not mode:
-            self._graph(False)
-        return self
-
-    @property
-    def mutated_buffers(self) -> List[torch.Tensor]:
-        """The buffers a training forward updates in place (batch-norm running statistics):
-        a recomputation must leave them as the first forward left them."""
-        return _written_buffers(self.train_graph)
-
-    @property
-    def traced_modes(self) -> Tuple[bool, ...]:
-        """The modes whose graphs are traced already (``True``: train, ``False``: eval)."""
-        return tuple(mode for mode, done in self._traced.items() if done)
-
-    def prepare(self) -> None:
-        """Trace the graph of the mode the stage runs in now, if not yet traced."""
-        self._graph(self._owner[0].training)
-
-    def forward(self, carry: Any) -> Any:
-        mode = self._owner[0].training  # the traced module's mode (pipe.train()/eval())
-        graph = self._graph(mode)
-        if self._first:
-            call = as_call(carry)
-            leaves, spec = pytree.tree_flatten((tuple(call.args), dict(call.kwargs)))
-            if spec != self._in_specs[mode]:
-                raise TypeError(f"the model was traced with inputs structured as "
-                                f"{self._in_specs[mode]}, but got {spec}; pass the same "
-                                f"positional and keyword arguments as in the trace")
-            values = graph(*leaves)
-        else:
-            values = graph(*carry)
-        if self._out_specs is not None:
-            return pytree.tree_unflatten(list(values), self._out_specs[mode])
-        return tuple(values)
-
-    # ---------------------------------------------------------------- the eval graph, lazily
-    def _graph(self, mode: bool) -> fx.GraphModule:
-        if not self._traced[mode]:
-            self._trace_eval()
-        return self.train_graph if mode else self.eval_graph
-
-    def _trace_eval(self) -> None:
-        """Cut this stage's eval graph from the module's eval trace (traced once for all its
-        stages) and point it at this stage's tensors and device."""
-        source = self._source
-        assert source is not None
-        with source.locked(f"stage {self._index}'s eval graph"):
-            if self._traced[False]:
-                return
-            traced = source.traced(False)
-            built = _stage_graph(traced.gm, self._index, traced.stage_of, traced.carries,
-                                 traced.output)
-            self._eval_targets = _fill(self.eval_graph, built,
-                                       lambda target: self._tensor_for(target, built))
-            device = self._tensor_device() or self._placed
-            if device is not None:
-                place_constants(self.eval_graph, device)
-            self._in_specs[False] = traced.gm._in_spec
-            if self._out_specs is not None:
-                self._out_specs[False] = traced.gm._out_spec
-            self._traced[False] = True
-
-    def _tensor_for(self, target: str, gm: fx.GraphModule) -> Any:
-        """What the eval graph reads as ``target``: this stage's own tensor (its train graph's),
-        else a tensor of the module, else a constant of the trace (or a submodule: a
-        higher-order operation's graph)."""
-        if not isinstance(_attr(gm, target), torch.Tensor):
-            return _attr(gm, target)
-        mine = _attr_or_none(self.train_graph, target)
-        if mine is not None:
-            return mine
-        assert self._source is not None
-        theirs = _attr_or_none(self._source.module, target)
-        device = self._tensor_device() or self._placed
-        if theirs is not None:
-            if theirs.is_meta or (device is not None and theirs.device != device):
-                raise NotImplementedError(
-                    f"the eval graph of stage {self._index} reads {target!r}, which its train "
-                    f"graph does not read and which is not on the stage's device "
-                    f"({theirs.device}); such a model's eval mode is not supported on this "
-                    f"layout: trace it in one process (fastpipe.Pipe on one device)")
-            return theirs
-        constant = _attr(gm, target)
-        return constant if device is None else constant.to(device)
-
-    def _share_tensors(self) -> None:
-        """The eval graph reads the very tensors of the train graph (a move replaces buffers,
-        each module's on its own)."""
-        for name, target in self._eval_targets.items():
-            mine = _attr_or_none(self.train_graph, target)
-            if mine is not None and getattr(self.eval_graph, name) is not mine:
-                _register(self.eval_graph, name, mine)
-
-    def _tensor_device(self) -> Optional[torch.device]:
-        for tensor in [*self.train_graph.parameters(), *self.train_graph.buffers()]:
-            return tensor.device
-        return None
-
-
-def prepare(modules: Iterable[Optional[nn.Module]]) -> None:
-    """Before a step: the traced stages among ``modules`` (or their children) trace the graph of
-    the mode they run in, if not yet traced, so that no graph is traced inside the step (where
-    other stages and processes would wait for it)."""
-    for module in modules:
-        if module is None:
-            continue
-        for part in (module, *module.children()):
-            if isinstance(part, GraphStage):
-                part.prepare()
-
-
-def _empty_graph(index: int) -> fx.GraphModule:
-    return fx.GraphModule(nn.Module(), fx.Graph(), class_name=f"Stage{index}Eval")
-
-
-def _fill(shell: fx.GraphModule, built: fx.GraphModule, value_for: Any) -> Dict[str, str]:
-    """Make ``shell`` (in place, so modes and references to it hold) run ``built``'s graph,
-    each attribute it reads registered flat on ``shell`` as ``value_for(target)``. Returns the
-    attribute names and their targets."""
-    names: Dict[str, str] = {}  # target -> attribute
-    graph = built.graph
-    for node in graph.nodes:
-        if node.op not in ("get_attr", "call_module"):
-            continue
-        target = str(node.target)
-        if target not in names:
-            names[target] = f"{target.replace('.', '_')}_{len(names)}"
-            _register(shell, names[target], value_for(target))
-        node.target = names[target]
-    shell.graph = graph  # recompiles
-    return {name: target for target, name in names.items()}
-
-
-def _register(module: nn.Module, name: str, value: Any) -> None:
-    module._parameters.pop(name, None)
-    module._buffers.pop(name, None)
-    if isinstance(value, nn.Parameter):
-        module.register_parameter(name, value)
-    elif isinstance(value, torch.Tensor):
-        module.register_buffer(name, value)
-    else:
-        module.add_module(name, value)
-
-
-def _attr_or_none(root: Any, target: str) -> Optional[torch.Tensor]:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def place_constants(gm: fx.GraphModule, device: torch.device) -> None:
-    """Make the devices a traced graph names (``device=`` arguments, ``.to(device)`` targets)
-    ``device``."""
-    def moved(value: Any) -> Any:
-        return device if isinstance(value, torch.device) and value != device else value
-
-    changed = False
-    for node in gm.graph.nodes:
-        args = tuple(moved(a) for a in node.args)
-        kwargs = {k: moved(v) for k, v in node.kwargs.items()}
-        if args != node.args or kwargs != node.kwargs:
-            node.args, node.kwargs, changed = args, kwargs, True
-    if changed:
-        gm.recompile()
-
-
-# Operations that update their running-statistics arguments in place without saying so in their
-# schemas (``aten::batch_norm`` and friends).
-_RUNNING_STATS_OPS = ("batch_norm", "instance_norm")
-
-
-def _written_buffers(gm: fx.GraphModule) -> List[torch.Tensor]:
-    """The buffers that operations of ``gm`` write in place: arguments their schemas mark as
-    written, and the running statistics of batch norms."""
-    found: Dict[int, torch.Tensor] = {}
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        stats = any(op in schema.name for op in _RUNNING_STATS_OPS)
-        for arg, value in zip(schema.arguments, node.args):
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            if (written or (stats and arg.name.startswith("running_"))) and \
-                    isinstance(value, fx.Node) and value.op == "get_attr":
-                tensor = _attr(gm, value.target)
-                found[id(tensor)] = tensor
-    return list(found.values())
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _stage_fx_graph(gm: fx.GraphModule, stage: int, stage_of: Dict[fx.Node, int],
-                    carries: List[List[fx.Node]], output: fx.Node) -> fx.Graph:
-    """The graph of one stage, dead code left in: placeholders for its inputs (the model's
-    inputs for stage 0, the previous carry otherwise), its own operations and the parameters
-    they read, and its carry (or the model's outputs) as output."""
-    graph = fx.Graph()
-    env: Dict[fx.Node, fx.Node] = {}
-    inputs = ([n for n in gm.graph.nodes if n.op == "placeholder"] if stage == 0
-              else carries[stage - 1])
-    for i, node in enumerate(inputs):
-        env[node] = graph.placeholder(f"in_{i}_{node.name}")
-        env[node].meta = dict(node.meta)
-
-    def lookup(node: fx.Node) -> fx.Node:
-        if node not in env:
-            if node.op != "get_attr":
-                raise RuntimeError(f"internal: {node} is neither carried nor local")
-            env[node] = graph.node_copy(node, lookup)
-        return env[node]
-
-    for node in gm.graph.nodes:
-        if stage_of.get(node) == stage and node.op not in ("placeholder", "output"):
-            env[node] = graph.node_copy(node, lookup)
-    last = stage == len(carries)
-    outs = list(output.args[0]) if last else carries[stage]
-    graph.output(tuple(fx.map_arg(o, lookup) if isinstance(o, fx.Node) else o for o in outs))
-    return graph
-
-
-def _stage_graph(gm: fx.GraphModule, stage: int, stage_of: Dict[fx.Node, int],
-                 carries: List[List[fx.Node]], output: fx.Node) -> fx.GraphModule:
-    """One stage's graph as a module reading ``gm``'s tensors under their own names."""
-    graph = _stage_fx_graph(gm, stage, stage_of, carries, output)
-    result = fx.GraphModule(gm, graph, class_name=f"Stage{stage}")
-    result.graph.eliminate_dead_code()
-    result.recompile()
-    return result
-
-
-class Traced(NamedTuple):
-    """A module traced in one mode, and its plan (the stage of every node, the carries)."""
-
-    gm: fx.GraphModule
-    stage_of: Dict[fx.Node, int]
-    carries: List[List[fx.Node]]
-    output: fx.Node
-
-
 # How long a stage waits for another thread tracing the module it needs (tracing a very large
 # model takes minutes, not hours).
 TRACE_WAIT = 3600.0
@@ -518,6 +112,8 @@ class _Source:
 
     @contextlib.contextmanager
     def locked(self, what: str) -> Iterator[None]:
+        """Hold the lock (one trace at a time), at most :data:`TRACE_WAIT` seconds; ``what``
+        names the waiter in the timeout's message."""
         if not self.lock.acquire(timeout=TRACE_WAIT):
             raise TimeoutError(f"{what} waited {TRACE_WAIT:.0f}s for another thread tracing "
                                f"{type(self.module).__name__}")
@@ -564,7 +160,7 @@ def trace_mode(module: nn.Module, call: Call, points: Sequence[str], training: b
     finally:
         for m, mode in modes:
             m.training = mode
-    return Traced(gm, *_plan(gm, points))
+    return Traced(gm, *plan(gm, points))
 
 
 def _set_mode(module: nn.Module, training: bool) -> None:
@@ -644,8 +240,20 @@ def stages_of(module: nn.Module, split_points: Any, example_inputs: Any,
             f"pass deferred_batch_norm=False, or the model as an nn.Sequential of its layers")
     if not follow:
         for part in parts:
-            part._owner = [part]
+            part.follow_own_mode()
     return parts
+
+
+def prepare(modules: Iterable[Optional[nn.Module]]) -> None:
+    """Before a step: the traced stages among ``modules`` (or their children) trace the graph of
+    the mode they run in, if not yet traced, so that no graph is traced inside the step (where
+    other stages and processes would wait for it)."""
+    for module in modules:
+        if module is None:
+            continue
+        for part in (module, *module.children()):
+            if isinstance(part, GraphStage):
+                part.prepare()
 
 
 def local_view(module: nn.Module, kept: nn.Module) -> nn.Module:

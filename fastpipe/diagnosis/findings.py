@@ -15,7 +15,7 @@ from .. import balance as partition
 from ..schedule.trace_file import StepContext
 from .split import Split, stage_work
 from ..schedule import ASYNCHRONOUS
-from ..schedule.ir import Schedule
+from ..schedule.schedule import Schedule
 from ..schedule.recommend import make_schedule, recommend
 from ..schedule.simulator import Costs, simulate
 

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.trace_file import StepContext, TraceFileError
 from ..schedule import SCHEDULES
-from ..schedule.ir import Action, Schedule, ScheduleError
+from ..schedule import Action, Schedule, ScheduleError
 from ..schedule.recommend import make_schedule
 from ..schedule.simulator import Costs, simulate
 from ..schedule.timeline import Event, Timeline

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .actions import Action, ActionKind
+from .checks import ScheduleError, check_count
 from .dualpipev import dualpipev
 from .gpipe import gpipe
 from .interleaved import interleaved
-from .ir import Action, ActionKind, Schedule, ScheduleError, check_count
+from .lockstep import run_lockstep
 from .looped_bfs import looped_bfs
-from .nccl import lower_nccl
 from .lower import Comm, CommGroup, CommKind, Op, Payload, SkipLink, format_program, lower
+from .nccl import lower_nccl
 from .one_f_one_b import one_f_one_b
 from .pipedream import pipedream
 from .recommend import Recommendation, recommend
 from .registry import ASYNCHRONOUS, SCHEDULES, ScheduleFn, get_schedule, register_schedule
+from .schedule import Schedule
 from .simulator import Costs, SimulationResult, simulate
 from .timeline import Event, Timeline
-from .validate import ValidationReport, peak_inflight, run_lockstep, validate
+from .validate import ValidationReport, peak_inflight, validate
 from .zbv import zbv
 from .zero_bubble import zb_h1
 

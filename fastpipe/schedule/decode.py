@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .ir import Action, ActionKind, F, Placement, Schedule, ScheduleError, check_count, gc_paused
+from .actions import Action, ActionKind, F, gc_paused
+from .checks import ScheduleError, check_count
+from .ir import Placement
+from .lockstep import COMM_MODELS, run_lockstep
 from .lower import lower
 from .nccl import lower_nccl
-from .validate import COMM_MODELS, ValidationReport, run_lockstep
+from .schedule import Schedule
+from .validate import ValidationReport
 
 __all__ = ["decode", "unrolled_placement", "validate_decode", "model_stage", "iteration"]
 

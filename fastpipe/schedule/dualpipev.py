@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import Action, B, F, Schedule, W, check_count, gc_paused
+from .actions import Action, B, F, W, gc_paused
+from .checks import check_count
+from .schedule import Schedule
 from .zbv import RowBuilder, keep_microbatches, two_chunks, v_placement
 
 __all__ = ["dualpipev"]

@@ -12,7 +12,9 @@ With ``v > 1``, ``m`` must be a multiple of ``p`` (Megatron's rule) or at most
 
 from __future__ import annotations
 
-from .ir import Action, ActionKind, B, F, Schedule, check_count, gc_paused, trusted_action
+from .actions import Action, ActionKind, B, F, gc_paused, trusted_action
+from .checks import check_count
+from .schedule import Schedule
 
 __all__ = ["interleaved", "interleaved_units", "interleaved_warmup"]
 

@@ -1,7 +1,10 @@
-"""The schedule intermediate representation: actions and per-stage action lists.
+"""The schedule intermediate representation: a schedule's data.
 
 A schedule is plain data. A generator produces it once; the same object is then
 validated, simulated, drawn and executed, and executors only interpret actions.
+:class:`ScheduleData` holds what every analysis reads (the action rows, the placement, the
+dependency relation); :class:`fastpipe.schedule.schedule.Schedule`, the class generators
+build, adds the analyses themselves as methods.
 
 Terminology:
 
@@ -16,159 +19,30 @@ Terminology:
 
 from __future__ import annotations
 
-import gc
-import re
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import cached_property
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from .actions import Action, ActionKind, B, F, W, trusted_action
+from .checks import ScheduleError, check_count
 
 if TYPE_CHECKING:
-    from .simulator import Costs, SimulationResult
-    from .validate import ValidationReport
-
-ANALYSES: dict[str, Callable[..., Any]] = {}
-"""``Schedule.validate`` and ``Schedule.simulate`` by name: the validator and the simulator
-register themselves here when imported (the package imports both), so that this module, which
-they import, imports neither of them."""
+    from typing_extensions import Self
 
 __all__ = [
-    "ActionKind",
     "Action",
-    "Schedule",
-    "ScheduleError",
-    "F",
+    "ActionKind",
     "B",
+    "F",
+    "Group",
+    "Placement",
+    "ScheduleData",
+    "ScheduleError",
     "W",
     "check_count",
     "round_robin_placement",
 ]
-
-
-class ScheduleError(ValueError):
-    """A schedule is malformed, inconsistent or would deadlock."""
-
-
-class ActionKind(str, Enum):
-    """What a compute action does to one micro-batch on one chunk."""
-
-    FORWARD = "F"
-    """Forward pass."""
-    BACKWARD = "B"
-    """Backward pass: input and weight gradients, unless the schedule also has
-    a ``W`` for the same chunk and micro-batch (zero-bubble), in which case
-    ``B`` computes the input gradient only."""
-    WEIGHT = "W"
-    """Weight-gradient pass of zero-bubble schedules (not generated yet)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-F = ActionKind.FORWARD
-B = ActionKind.BACKWARD
-W = ActionKind.WEIGHT
-
-_ACTION_RE = re.compile(r"(\d+)([FBW])(\d+)(?:\.(\d+))?")
-_ACTION_FORM = "'<stage><F|B|W><micro-batch>[.<chunk>]', e.g. '0F3' or '1B2.1'"
-
-
-def check_count(name: str, value: object, minimum: int = 1) -> int:
-    """Return ``value`` if it is an int >= ``minimum``; raise naming ``name`` otherwise.
-
-    Shared argument check so every generator reports bad sizes the same way.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building many small acyclic objects (its
-    generation scans would otherwise dominate large schedules); restore its previous state."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def require_chunks(schedule: str, virtual_stages: object, chunks: int, alternative: str) -> None:
-    """Reject a ``virtual_stages`` other than the ``chunks`` per stage that ``schedule`` places,
-    pointing to an ``alternative`` schedule that takes other counts."""
-    if check_count("virtual_stages", virtual_stages) != chunks:
-        what = "one chunk" if chunks == 1 else f"{chunks} chunks"
-        raise ValueError(f"{schedule} places {what} per stage: virtual_stages must be {chunks}, "
-                         f"got {virtual_stages}; use schedule {alternative!r} for other counts")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One compute step: ``kind`` of ``microbatch`` on ``chunk`` of physical ``stage``.
-
-    The compact string form is ``"0F3"`` (stage 0, forward, micro-batch 3), with
-    a ``".c"`` suffix when the chunk is not 0: ``"1F3.1"``.
-    """
-
-    stage: int
-    kind: ActionKind
-    microbatch: int
-    chunk: int = 0
-
-    def __post_init__(self) -> None:
-        if type(self.kind) is not ActionKind:
-            try:
-                object.__setattr__(self, "kind", ActionKind(self.kind))
-            except ValueError:
-                raise ValueError(
-                    f"Action kind must be one of 'F', 'B', 'W', got {self.kind!r}"
-                ) from None
-        stage, microbatch, chunk = self.stage, self.microbatch, self.chunk
-        if (type(stage) is int and type(microbatch) is int and type(chunk) is int
-                and stage >= 0 and microbatch >= 0 and chunk >= 0):
-            return  # the common case, kept cheap: schedules build many actions
-        for name in ("stage", "microbatch", "chunk"):
-            check_count(f"Action.{name}", getattr(self, name), minimum=0)
-
-    def __str__(self) -> str:
-        suffix = f".{self.chunk}" if self.chunk else ""
-        return f"{self.stage}{self.kind.value}{self.microbatch}{suffix}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Parse the compact form produced by ``str(action)``."""
-        match = _ACTION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
-        if match is None:
-            raise ValueError(f"cannot parse action {text!r}: expected {_ACTION_FORM}")
-        stage, kind, microbatch, chunk = match.groups()
-        return cls(int(stage), ActionKind(kind), int(microbatch), int(chunk or 0))
-
-    def with_kind(self, kind: ActionKind) -> Action:
-        """The same stage, micro-batch and chunk with another kind."""
-        if type(kind) is ActionKind:
-            return trusted_action(self.stage, kind, self.microbatch, self.chunk)
-        return Action(self.stage, kind, self.microbatch, self.chunk)
-
-
-_new_object, _set = object.__new__, object.__setattr__
-
-
-def trusted_action(stage: int, kind: ActionKind, microbatch: int, chunk: int = 0) -> Action:
-    """``Action(stage, kind, microbatch, chunk)`` for values already known to be valid (an
-    :class:`ActionKind` and non-negative ints), without the checks: generators build many."""
-    action = _new_object(Action)
-    _set(action, "stage", stage)
-    _set(action, "kind", kind)
-    _set(action, "microbatch", microbatch)
-    _set(action, "chunk", chunk)
-    return action
 
 
 def round_robin_placement(num_stages: int, num_chunks: int) -> tuple[tuple[int, ...], ...]:
@@ -204,11 +78,13 @@ def _plain_row(stage: int, row: tuple[Action, ...]) -> bool:
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """A pipeline schedule: for each physical stage, its actions in execution order.
+class ScheduleData:
+    """A pipeline schedule's data: for each physical stage, its actions in execution order.
 
     ``placement[stage][chunk]`` is the virtual stage (model-order index) of that
     chunk; ``None`` means round-robin and is normalised to the explicit table.
+    The analyses take this; generators build its subclass
+    :class:`~fastpipe.schedule.schedule.Schedule`, which adds them as methods.
     """
 
     name: str
@@ -313,7 +189,8 @@ class Schedule:
                      for row in self.actions)
 
     def action_at(self, kind: ActionKind, virtual_stage: int, microbatch: int) -> Action:
-        """The action of ``kind`` for ``microbatch`` on ``virtual_stage``, wherever it is placed."""
+        """The action of ``kind`` for ``microbatch`` on ``virtual_stage``, wherever it is
+        placed."""
         stage, chunk = self.stage_of(virtual_stage)
         return Action(stage, kind, microbatch, chunk)
 
@@ -357,7 +234,7 @@ class Schedule:
         """The ``(stage, kind, chunk)`` groups whose action of micro-batch ``k`` is a dependency
         of this group's action of micro-batch ``k``, for every ``k``: :meth:`dependencies` in
         bulk. ``None`` when a subclass redefines :meth:`dependencies`: ask action by action."""
-        if type(self).dependencies is not Schedule.dependencies:
+        if type(self).dependencies is not ScheduleData.dependencies:
             return None
         return tuple(group for group, _ in self._dependency_links_of((stage, kind, chunk)))
 
@@ -366,7 +243,7 @@ class Schedule:
     ) -> tuple[Group, ...] | None:
         """Like :meth:`dependency_groups` for :meth:`consumers`, except that a ``B``'s ``W``
         group (on the same stage) counts only for the micro-batches that have a ``W``."""
-        if type(self).consumers is not Schedule.consumers:
+        if type(self).consumers is not ScheduleData.consumers:
             return None
         return tuple(group for group, _ in self._consumer_links_of((stage, kind, chunk)))
 
@@ -414,21 +291,23 @@ class Schedule:
         return (stage, kind, chunk)
 
     def _links(self, groups: tuple[Group, ...]) -> tuple[_Link, ...]:
-        return tuple((group, self._index.get(group, {})) for group in groups)
+        return tuple((group, self.actions_by_group.get(group, {})) for group in groups)
 
     @cached_property
-    def _index(self) -> dict[Group, dict[int, Action]]:
-        """The schedule's actions by group, then micro-batch (the last one where one repeats)."""
+    def actions_by_group(self) -> dict[Group, dict[int, Action]]:
+        """The schedule's actions by group, then micro-batch (the last one where one repeats):
+        the table the analyses look actions up in. Shared: read it, never change it."""
         return self._tables[0]
 
     @cached_property
-    def _positions(self) -> dict[Group, dict[int, int]]:
-        """Like :attr:`_index`, but each action's position in its stage's row."""
+    def positions_by_group(self) -> dict[Group, dict[int, int]]:
+        """Like :attr:`actions_by_group`, but each action's position in its stage's row."""
         return self._tables[1]
 
     @cached_property
     def _tables(self) -> tuple[dict[Group, dict[int, Action]], dict[Group, dict[int, int]]]:
-        """:attr:`_index` and :attr:`_positions`, built in one pass over the rows."""
+        """:attr:`actions_by_group` and :attr:`positions_by_group`, built in one pass over the
+        rows."""
         index: dict[Group, dict[int, Action]] = {}
         positions: dict[Group, dict[int, int]] = {}
         for row in self.actions:
@@ -464,7 +343,7 @@ class Schedule:
         num_microbatches: int | None = None,
         num_chunks: int = 1,
         placement: Placement | None = None,
-    ) -> Schedule:
+    ) -> Self:
         """Build a schedule from one row per stage: a list of action strings or one
         space-separated string. ``num_microbatches`` defaults to the largest one used + 1."""
         rows = tuple(tuple(Action.parse(s) for s in _split_row(row)) for row in table)
@@ -492,15 +371,6 @@ class Schedule:
 
     def __str__(self) -> str:
         return self.format_table()
-
-    def validate(self, *, comm: str = "rendezvous") -> ValidationReport:
-        """Check this schedule (see :func:`fastpipe.schedule.validate.validate`); ``comm`` is the
-        deadlock model, ``"rendezvous"`` (unbuffered sends) or ``"buffered"``."""
-        return ANALYSES["validate"](self, comm=comm)
-
-    def simulate(self, costs: Costs | None = None, **kw: object) -> SimulationResult:
-        """Time this schedule under ``costs`` (see :func:`fastpipe.schedule.simulator.simulate`)."""
-        return ANALYSES["simulate"](self, costs, **kw)
 
 
 def _split_row(row: str | Iterable[str]) -> list[str]:

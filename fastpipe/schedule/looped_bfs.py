@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, check_count, gc_paused
+from .actions import Action, B, F, gc_paused
+from .checks import check_count
+from .schedule import Schedule
 
 __all__ = ["looped_bfs"]
 

@@ -27,7 +27,9 @@ from enum import Enum
 from operator import attrgetter
 from typing import NamedTuple, Optional, Sequence, Union
 
-from .ir import Action, ActionKind, Schedule, check_count, gc_paused
+from .actions import Action, ActionKind, gc_paused
+from .checks import check_count
+from .ir import ScheduleData
 
 __all__ = ["CommKind", "Payload", "SkipLink", "Comm", "CommGroup", "Op", "lower",
            "format_program"]
@@ -162,7 +164,7 @@ FieldsOp = Union[Action, tuple[CommFields, ...]]
 """An op of :func:`lower_fields`: a compute action, or a group as its ops' fields."""
 
 
-def lower(schedule: Schedule, *, batched: bool = True, local: bool = False,
+def lower(schedule: ScheduleData, *, batched: bool = True, local: bool = False,
           skips: Sequence[SkipLink] = ()) -> tuple[tuple[Op, ...], ...]:
     """Lower every stage's actions into a program of compute and communication ops.
 
@@ -176,7 +178,7 @@ def lower(schedule: Schedule, *, batched: bool = True, local: bool = False,
         return tuple(tuple(map(_op, program)) for program in lowered)
 
 
-def lower_fields(schedule: Schedule, *, batched: bool = True, local: bool = False,
+def lower_fields(schedule: ScheduleData, *, batched: bool = True, local: bool = False,
                  skips: Sequence[SkipLink] = ()) -> tuple[list[FieldsOp], ...]:
     """:func:`lower` with each :class:`CommGroup` given as the tuple of its ops' fields
     (:data:`CommFields`): the validator simulates this form without building the objects."""
@@ -213,7 +215,7 @@ class _Links:
     """Which transfers a lowering makes: between the virtual stages of a dependency when they
     sit on different stages (or, with ``local``, on any two chunks), and along skip connections."""
 
-    def __init__(self, schedule: Schedule, local: bool, skips: tuple[SkipLink, ...]) -> None:
+    def __init__(self, schedule: ScheduleData, local: bool, skips: tuple[SkipLink, ...]) -> None:
         self.schedule, self.local, self.skips = schedule, local, skips
 
     def wanted(self, stage: int, chunk: int, peer: int, peer_chunk: int) -> bool:

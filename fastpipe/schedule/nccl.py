@@ -34,15 +34,16 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Sequence
 
-from .ir import ANALYSES, Action, Schedule, gc_paused
+from .actions import Action, gc_paused
+from .ir import ScheduleData
+from .lockstep import lockstep_rounds
 from .lower import (CommFields, CommKind, FieldsOp, Op, SkipLink, counterpart_fields, group_from,
                     lower_fields)
-from .validate import lockstep_rounds
 
 __all__ = ["lower_nccl", "nccl_fields", "pair_key"]
 
 
-def lower_nccl(schedule: Schedule, *, skips: Sequence[SkipLink] = (),
+def lower_nccl(schedule: ScheduleData, *, skips: Sequence[SkipLink] = (),
                prefetch: bool = False) -> tuple[tuple[Op, ...], ...]:
     """Every stage's program of compute actions and NCCL groups (see module docstring).
 
@@ -59,7 +60,7 @@ def lower_nccl(schedule: Schedule, *, skips: Sequence[SkipLink] = (),
                      for program in nccl_fields(schedule, skips=skips, prefetch=prefetch))
 
 
-def nccl_fields(schedule: Schedule, *, skips: Sequence[SkipLink] = (),
+def nccl_fields(schedule: ScheduleData, *, skips: Sequence[SkipLink] = (),
                 prefetch: bool = False) -> tuple[list[FieldsOp], ...]:
     """:func:`lower_nccl` with each group given as the tuple of its ops' fields."""
     with gc_paused():
@@ -74,9 +75,6 @@ def nccl_fields(schedule: Schedule, *, skips: Sequence[SkipLink] = (),
         if prefetch:
             programs = tuple(_prefetched(program) for program in programs)
         return programs
-
-
-ANALYSES["lower_nccl"] = nccl_fields
 
 
 def pair_key(stage: int, op: CommFields) -> tuple:

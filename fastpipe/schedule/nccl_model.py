@@ -22,7 +22,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Sequence
 
-from .ir import Action, ActionKind, Schedule, ScheduleError
+from .actions import Action, ActionKind
+from .checks import ScheduleError
+from .ir import ScheduleData
 from .lower import CommFields, CommKind, Payload, comm_from, counterpart_fields, group_from
 
 __all__ = ["NcclModel", "consumer_of"]
@@ -57,7 +59,7 @@ class NcclModel:
         self.steps: list[list[int]] = [[] for _ in range(count)]
         self.round = 0
 
-    def run(self, schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    def run(self, schedule: ScheduleData) -> tuple[tuple[int, ...], ...]:
         self.schedule = schedule
         for stage in range(len(self.programs)):
             self._advance(stage)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, check_count, gc_paused, require_chunks
+from .actions import Action, B, F, gc_paused
+from .checks import check_count, require_chunks
+from .schedule import Schedule
 
 __all__ = ["one_f_one_b"]
 

@@ -9,7 +9,9 @@ other, so it validates, simulates and draws as 1F1B does.
 
 from __future__ import annotations
 
-from .ir import Schedule, check_count, gc_paused, require_chunks
+from .actions import gc_paused
+from .checks import check_count, require_chunks
+from .schedule import Schedule
 from .one_f_one_b import one_f_one_b
 
 __all__ = ["pipedream"]

@@ -14,7 +14,8 @@ from dataclasses import dataclass, fields
 from typing import Iterable, Sequence
 
 from .registry import ASYNCHRONOUS, SCHEDULES, get_schedule
-from .ir import Schedule, check_count
+from .checks import check_count
+from .schedule import Schedule
 from .simulator import Costs, simulate
 
 __all__ = ["Recommendation", "recommend", "make_schedule", "per_chunk_costs"]

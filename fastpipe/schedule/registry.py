@@ -6,7 +6,8 @@ from typing import Any, Callable
 from .dualpipev import dualpipev
 from .gpipe import gpipe
 from .interleaved import interleaved
-from .ir import Schedule, check_count
+from .checks import check_count
+from .schedule import Schedule
 from .looped_bfs import looped_bfs
 from .one_f_one_b import one_f_one_b
 from .pipedream import pipedream

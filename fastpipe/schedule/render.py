@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from .ir import ActionKind
+from .actions import ActionKind
 from .timeline import Event, Timeline
 
 __all__ = ["ascii", "chrome_trace", "write_chrome_trace", "png", "png_side_by_side"]

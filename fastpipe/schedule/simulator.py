@@ -27,7 +27,9 @@ from dataclasses import dataclass, fields, replace
 from itertools import repeat
 from typing import Sequence, Union
 
-from .ir import ANALYSES, F, W, Action, Group, Schedule, ScheduleError, gc_paused
+from .actions import Action, F, W, gc_paused
+from .checks import ScheduleError
+from .ir import Group, ScheduleData
 from .timeline import Event, Timeline
 
 _new_object, _set = object.__new__, object.__setattr__  # events built without their checks
@@ -116,7 +118,7 @@ class SimulationResult:
     """A simulated run: its :class:`Timeline` plus the per-stage peak activation memory
     (``Costs.activation`` summed over the (chunk, micro-batch) pairs in flight)."""
 
-    schedule: Schedule
+    schedule: ScheduleData
     costs: Costs
     timeline: Timeline
     peak_memory: tuple[float, ...]
@@ -142,7 +144,8 @@ class SimulationResult:
         return self.timeline.busy
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, **overrides: Cost) -> SimulationResult:
+def simulate(schedule: ScheduleData, costs: Costs | None = None,
+             **overrides: Cost) -> SimulationResult:
     """Simulate ``schedule`` under ``costs`` (default :class:`Costs`; keyword ``overrides``
     replace its fields) and return the timed result.
 
@@ -157,10 +160,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, **overrides: Cost) 
     return SimulationResult(schedule, costs, timeline, memory)
 
 
-ANALYSES["simulate"] = simulate
 
-
-def _events(schedule: Schedule, costs: Costs) -> tuple[Event, ...]:
+def _events(schedule: ScheduleData, costs: Costs) -> tuple[Event, ...]:
     """When each action runs: one event per action, stage by stage (the working data goes
     on return, while the collector is still paused)."""
     graph = _Graph(schedule)
@@ -182,7 +183,7 @@ def _event(stage: int, action: Action, start: float, end: float) -> Event:
 
 
 def _peak_memory(
-    schedule: Schedule, activation: tuple[float, ...], timeline: Timeline
+    schedule: ScheduleData, activation: tuple[float, ...], timeline: Timeline
 ) -> tuple[float, ...]:
     """Per stage, the most activation memory in flight (from the peak count when uniform)."""
     if len(set(activation)) == 1:
@@ -199,7 +200,7 @@ class _Graph:
     ``len(actions)``, which never finishes.
     """
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: ScheduleData) -> None:
         self.actions = [a for row in schedule.actions for a in row]
         self.stage_of = [s for s, row in enumerate(schedule.actions) for _ in row]
         self.offsets = [0]
@@ -209,12 +210,12 @@ class _Graph:
 
 
 def _dependency_numbers(
-    schedule: Schedule, actions: list[Action], offsets: list[int]
+    schedule: ScheduleData, actions: list[Action], offsets: list[int]
 ) -> list[tuple[int, ...]]:
     """:meth:`Schedule.dependencies` of every action, as action numbers: in bulk for each
     (stage, kind, chunk) group (:meth:`Schedule.dependency_groups`), else action by action."""
     missing = len(actions)
-    positions = schedule._positions
+    positions = schedule.positions_by_group
     number = {  # group -> micro-batch -> number of the action (the last, where one repeats)
         group: {mb: offsets[group[0]] + i for mb, i in mine.items()}
         for group, mine in positions.items()
@@ -235,7 +236,7 @@ def _dependency_numbers(
 
 
 def _numbers(
-    schedule: Schedule, action: Action, number: dict[Group, dict[int, int]], missing: int
+    schedule: ScheduleData, action: Action, number: dict[Group, dict[int, int]], missing: int
 ) -> tuple[int, ...]:
     """The numbers of ``action``'s dependencies, asked of :meth:`Schedule.dependencies`."""
     return tuple(
@@ -245,14 +246,14 @@ def _numbers(
 
 
 def _cost_arrays(
-    schedule: Schedule, costs: Costs, graph: _Graph
+    schedule: ScheduleData, costs: Costs, graph: _Graph
 ) -> tuple[list[float], list[float]]:
     """Per action: its duration, and the latency of sending its result to another stage."""
     n = schedule.num_virtual_stages
     forward, backward, weight, p2p = (
         costs.per_virtual_stage(name, n) for name in ("forward", "backward", "weight", "p2p")
     )
-    split = {group[::2]: mbs for group, mbs in schedule._index.items() if group[1] is W}
+    split = {group[::2]: mbs for group, mbs in schedule.actions_by_group.items() if group[1] is W}
     where = schedule.placement
     durations, latencies = [], []
     for a in graph.actions:
@@ -270,7 +271,7 @@ def _cost_arrays(
 
 
 def _run(
-    schedule: Schedule, graph: _Graph, durations: list[float], latencies: list[float]
+    schedule: ScheduleData, graph: _Graph, durations: list[float], latencies: list[float]
 ) -> tuple[list[float], list[float]]:
     """Start and end of every action: advance each stage while its next action's
     dependencies have finished; when one has not, wait for it to wake the stage."""
@@ -311,7 +312,7 @@ def _run(
 
 
 def _deadlock_message(
-    schedule: Schedule, graph: _Graph, heads: list[int], ends: list[float | None]
+    schedule: ScheduleData, graph: _Graph, heads: list[int], ends: list[float | None]
 ) -> str:
     finished = {graph.actions[i] for i, end in enumerate(ends[:-1]) if end is not None}
     present = set(graph.actions)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping
 
-from .ir import Action, ActionKind, check_count
+from .actions import Action, ActionKind
+from .checks import check_count
 
 __all__ = ["Event", "Timeline"]
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
-from .ir import Action
+from .actions import Action
 from .render import MICROSECONDS_PER_UNIT
 from .timeline import Timeline
 

@@ -10,18 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import (
-    Action,
-    ActionKind,
-    B,
-    F,
-    Schedule,
-    W,
-    check_count,
-    gc_paused,
-    require_chunks,
-    trusted_action,
-)
+from .actions import Action, ActionKind, B, F, W, gc_paused, trusted_action
+from .checks import check_count, require_chunks
+from .schedule import Schedule
 
 __all__ = ["zbv", "v_placement", "RowBuilder"]
 

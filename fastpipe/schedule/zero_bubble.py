@@ -9,7 +9,9 @@ their cool-down waits with weight gradients.
 
 from __future__ import annotations
 
-from .ir import Action, B, F, Schedule, W, check_count, gc_paused, require_chunks
+from .actions import Action, B, F, W, gc_paused
+from .checks import check_count, require_chunks
+from .schedule import Schedule
 
 __all__ = ["zb_h1"]
 

@@ -1,0 +1,58 @@
+"""Where a traced model is cut: split points named by the user, checked, or found for it.
+
+A split point is the name of a submodule that begins a stage. :func:`check_split_points` checks
+given names; :func:`auto_split_points` cuts the model's longest list of same-type blocks into
+stages of about equal parameter count (with the partition solver of :mod:`fastpipe.balance`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from .balance import solve
+
+__all__ = ["auto_split_points", "check_split_points"]
+
+
+def check_split_points(module: nn.Module, split_points: Sequence[str]) -> list[str]:
+    """Each split point must name a submodule; returns them as a list."""
+    if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
+        raise TypeError(f"split_points must be a list of submodule names (e.g. "
+                        f"['transformer.h.4']) or 'auto', got {split_points!r}")
+    names = dict(module.named_modules())
+    points = list(split_points)
+    for point in points:
+        if point not in names or point == "":
+            close = [n for n in names if n and n.split(".")[-1] == point.split(".")[-1]][:3]
+            hint = f"; did you mean {close}?" if close else ""
+            raise ValueError(f"split_points names {point!r}, which is not a submodule of "
+                             f"{type(module).__name__}{hint} (see module.named_modules())")
+    if len(set(points)) != len(points):
+        raise ValueError(f"split_points={points} names a submodule twice")
+    return points
+
+
+def auto_split_points(module: nn.Module, stages: int) -> list[str]:
+    """Split points that cut the module's largest list of same-type blocks (a ``ModuleList`` or
+    ``Sequential``) into ``stages`` parts of about equal parameter count."""
+    best: tuple[str, list[nn.Module]] | None = None
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) > 1:
+            children = list(sub)
+            if len({type(c) for c in children}) == 1 and (best is None or
+                                                          len(children) > len(best[1])):
+                best = (name, children)
+    if best is None:
+        raise ValueError(f"split_points='auto' found no list of repeated blocks (an "
+                         f"nn.ModuleList or nn.Sequential of same-type modules) in "
+                         f"{type(module).__name__}; give split_points=[...] by name")
+    prefix, blocks = best
+    if stages > len(blocks):
+        raise ValueError(f"split_points='auto' needs at least {stages} blocks for {stages} "
+                         f"stages, but {prefix or 'the module'} has {len(blocks)}; use fewer "
+                         f"devices or give split_points=[...] by name")
+    costs = [1.0 + sum(p.numel() for p in b.parameters()) for b in blocks]
+    sizes = solve(costs, stages)
+    starts = [sum(sizes[:k]) for k in range(1, stages)]
+    return [f"{prefix}.{i}" if prefix else str(i) for i in starts]
