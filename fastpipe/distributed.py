@@ -16,7 +16,6 @@ tensor=T, shard=S)``, ``tensor_parallel=plan``, ``data_parallel='fsdp'`` (``fast
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -24,14 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import generation, materialise, outputs, tracing
+from . import generation, materialise, tracing
 from .policies import compile as compiling, tied as tied_weights
+from .policies.tied import TiedWeight
 from .errors import ProcessGroupError
-from .frontdoor import FrontDoor, parse_layout
+from .frontdoor import Blueprint, FrontDoor, OnRanks, plan_pipeline
 from .parallel import checkpoint as sharded_state, optimizer_names, setup as parallel_setup
 from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
-from .placement import (StagesStayPut, auto_balance, check_balance, layer_names,
-                        resolve_virtual_stages)
+from .placement import StagesStayPut
 from .runtime.transport import backends
 from .runtime import weight_versions
 from .runtime.transport.backends import init_process_group  # noqa: F401 - safe under torchrun restarts
@@ -39,7 +38,7 @@ from .runtime.dist_executor import Topology
 from .runtime.drivers.per_rank import PerRankDriver, RemoteStage
 from .runtime.stage import Stage
 from .runtime.gradients.tied import TiedSync
-from .skip import exchange as skip_exchange, layout as skip_layout
+from .skip import exchange as skip_exchange
 from .skip.api import declaration
 
 LayerFactory = Callable[[], nn.Module]
@@ -133,99 +132,109 @@ class DistributedPipe(StagesStayPut, FrontDoor):
                  device: Optional[Union[str, torch.device]] = None, p2p: str = "auto",
                  timeout: float = 300.0, deferred_batch_norm: bool = False,
                  tied: Sequence[Sequence[Any]] = (), split_points: Optional[Any] = None,
-                 example_inputs: Optional[Any] = None,
+                 example_inputs: Optional[Any] = None, mesh: Optional[Mesh] = None,
                  init_weights: Optional[Callable[[nn.Module], Any]] = None,
-                 mesh: Optional[Mesh] = None,
                  tensor_parallel: Optional[parallel_setup.tensor.Plan] = None,
-                 data_parallel: str = "replicate",
-                 compile: Union[bool, Dict[str, Any]] = False,
+                 data_parallel: str = "replicate", compile: Union[bool, Dict[str, Any]] = False,
                  output_reduction: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         compiler = compiling.check(compile)  # as takes_compiled resolved it
-        reductions = outputs.check_output_reduction(output_reduction)
-        if not dist.is_available() or not dist.is_initialized():
-            raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
-                               "torch.distributed.init_process_group() first (under torchrun the "
-                               "environment provides the rendezvous), or use fastpipe.Pipe in one "
-                               "process")
-        process_group = backends.as_group(process_group, "process_group")
-        data_parallel_group = backends.as_group(data_parallel_group, "data_parallel_group")
-        traced = module if tracing.wanted(module, split_points) else None
-        self._take_outputs(reductions, module, traced is not None)
-        par = parallel_setup.resolve(  # 3-D layouts (fastpipe.parallel), checked before any work
-            module, mesh=mesh, process_group=process_group,
-            data_parallel_group=data_parallel_group, tensor_parallel=tensor_parallel,
-            data_parallel=data_parallel, schedule=schedule, traced=traced is not None, tied=tied)
-        process_group, data_parallel_group = par.pipeline_group, par.data_group
-        self.mesh = mesh
-        if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
-            group = process_group if process_group is not None else dist.group.WORLD
-            count = dist.get_world_size(group) * resolve_virtual_stages(virtual_stages, schedule)
-            module = tracing.stages_of(traced, split_points, example_inputs, count, follow=False,
-                                       deferred_batch_norm=deferred_batch_norm)
-        object.__setattr__(self, "_traced", (  # what generate() traces: no tensor kept
-            None if traced is None else generation.skeleton(traced), split_points))
-        layers = _check_layers(module)
-        layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
-                              deferred_batch_norm)
-        compiling.check_modes(compiler, checkpoint=layout.checkpoint, sharded=par.active)
-        tie_groups = _check_tied(module, tied)
-        self._group = process_group if process_group is not None else dist.group.WORLD
-        self._device = backends.resolve_device(device, self._group)
-        self._p2p = backends.resolve_p2p(p2p, self._device, self._group)
-        backends.warm_up(self._group, self._device)
-        ranks = dist.get_process_group_ranks(self._group)
-        p, v = len(ranks), layout.virtual_stages
-        layout = layout.with_balance(_balance(module, layers, balance, p * v))
-        skips = _skip_plans(module, layout.balance)
-        plan = self._begin(layout)  # raises for a schedule that cannot run this layout
-        rank = dist.get_rank()
-        owner = [ranks[plan.stage_of(k)[0]] for k in range(p * v)]
-        if tie_groups:
-            tied_weights.tie(module, tie_groups)
-        shared = (tied_weights.find(module, layout.balance)
-                  if isinstance(module, nn.Sequential) else [])
-        topology = Topology(owner, rank, ranks.index(rank), self._group, self._device)
-        starts = [0, *itertools.accumulate(layout.balance)]
-        kept: "OrderedDict[str, nn.Module]" = OrderedDict()
-        keys = layer_names(module, len(layers))
-        stages: List[Any] = []
+        par = _parallel(module, process_group, data_parallel_group, mesh=mesh,
+                        tensor_parallel=tensor_parallel, data_parallel=data_parallel,
+                        schedule=schedule, traced=tracing.wanted(module, split_points), tied=tied)
+        blueprint = plan_pipeline(
+            module, OnRanks(dist.get_process_group_ranks(par.pipeline_group)), chunks=chunks,
+            schedule=schedule, balance=balance, checkpoint=checkpoint, timeout=timeout,
+            virtual_stages=virtual_stages, deferred_batch_norm=deferred_batch_norm, tied=tied,
+            split_points=split_points, example_inputs=example_inputs,
+            output_reduction=output_reduction)
+        compiling.check_modes(compiler, checkpoint=blueprint.layout.checkpoint, sharded=par.active)
+        self._connect(par.pipeline_group, device, p2p)
+        self._begin(blueprint, mesh=mesh)
+        self._realise(blueprint, par, compiler, init_weights, split_points)
+
+    def _connect(self, group: Any, device: Optional[Union[str, torch.device]],
+                 p2p: str) -> None:
+        """This rank's device and transport (checked against the group's backends); NCCL's
+        communicator made now, every rank of the pipeline taking part."""
+        resolved = backends.resolve_device(device, group)
+        self._keep(_group=group, _device=resolved,
+                   _p2p=backends.resolve_p2p(p2p, resolved, group))
+        backends.warm_up(group, resolved)
+
+    def _realise(self, blueprint: Blueprint, par: parallel_setup.Parallel,
+                 compiler: Optional[compiling.Compiler], init_weights: Any,
+                 split_points: Any) -> None:
+        """The plan on this rank: its stages built and wired, the driver, the tied weights'
+        copies made equal, the optimizers' names watched."""
         init = materialise.check_init_weights(init_weights)
-        if isinstance(module, nn.Module):  # meta tensors this rank uses get memory, ties kept
-            pairs = materialise.materialise_used(
-                traced if traced is not None else module,
-                [layers[i] for k in range(p * v) if owner[k] == rank
-                 for i in range(starts[k], starts[k + 1])], self._device, init)
-            new = {id(old): value for old, value in pairs}  # pairs hold the old: ids unique
-            shared = [dataclasses.replace(w, parameter=new.get(id(w.parameter), w.parameter))
-                      for w in shared]
-        for k in range(p * v):
-            if owner[k] != rank:
-                stages.append(RemoteStage(k, self._device))
-                continue
-            part = OrderedDict((keys[i], _materialise(layers[i], self._device, init))
-                               for i in range(starts[k], starts[k + 1]))
-            kept.update(part)
-            stage_module = par.apply(k, nn.Sequential(part))  # TP, FSDP (if any) in place
-            stages.append(Stage(k, stage_module, self._device,
-                                deferred_batch_norm=layout.deferred_batch_norm,
-                                compiler=compiler))
-        _no_skips_in_factories(module, kept)
-        self.module = nn.Sequential(kept)  # this rank's layers under their plain-model names
-        if traced is not None:  # this rank's parameters and buffers under the module's names
-            self.module = tracing.local_view(traced, self.module)
-        object.__setattr__(self, "_stages", stages)
-        self._driver = PerRankDriver(topology, stages, skips, data_parallel_group, shared,
-                                     layout.timeout, self._p2p, sharded=par.hooks(),
-                                     **par.closing())
-        par.wire(stages, owner, rank, layout.timeout)  # send-once TP boundaries, before skips
+        self._keep(_traced=(  # what generate() traces: no tensor kept
+            None if blueprint.traced is None else generation.skeleton(blueprint.traced),
+            split_points))
+        shared = self._tie_and_materialise(blueprint, init)
+        stages, kept = self._build_stages(blueprint, par, compiler, init)
+        rank, owner = dist.get_rank(), list(blueprint.placement)
+        module = nn.Sequential(kept)  # this rank's layers under their plain-model names
+        # a traced model: this rank's parameters and buffers under the model's names
+        self.module = (module if blueprint.traced is None
+                       else tracing.local_view(blueprint.traced, module))
+        topology = Topology(owner, rank, blueprint.physical.index(rank), self._group,
+                            self._device)
+        driver = PerRankDriver(topology, stages, blueprint.skips, par.data_group, shared,
+                               blueprint.layout.timeout, self._p2p, sharded=par.hooks(),
+                               **par.closing())
+        self._keep(_stages=stages, _driver=driver)
+        par.wire(stages, owner, rank, blueprint.layout.timeout)  # TP boundaries, before skips
         self.parallel = par
-        skip_exchange.wire(stages, self._driver.skips)
+        skip_exchange.wire(stages, driver.skips)
         self._pipedream = (weight_versions.PipeDream(stages)
                            if self._schedule_name == "pipedream" else None)
-        _check_asynchronous(self._pipedream, data_parallel_group, self._driver.tied)
-        self._driver.tied.broadcast_initial()
+        _check_asynchronous(self._pipedream, par.data_group, driver.tied)
+        driver.tied.broadcast_initial()
         optimizer_names.watch(self)  # its optimizers' state_dict() keyed by plain names
+
+    def _tie_and_materialise(self, blueprint: Blueprint, init: Any) -> List[TiedWeight]:
+        """Tie the planned groups; give memory on this rank's device to the meta tensors its
+        stages use (ties kept); the weights that layers of several stages share."""
+        module = blueprint.module
+        if blueprint.ties:
+            tied_weights.tie(module, blueprint.ties)
+        shared = (tied_weights.find(module, blueprint.layout.balance)
+                  if isinstance(module, nn.Sequential) else [])
+        if not isinstance(module, nn.Module):
+            return shared
+        rank = dist.get_rank()
+        mine = [layer for k, owner in enumerate(blueprint.placement) if owner == rank
+                for layer in blueprint.layers_of(k)]
+        pairs = materialise.materialise_used(
+            blueprint.traced if blueprint.traced is not None else module, mine, self._device,
+            init)
+        new = {id(old): value for old, value in pairs}  # pairs hold the old: ids unique
+        return [dataclasses.replace(w, parameter=new.get(id(w.parameter), w.parameter))
+                for w in shared]
+
+    def _build_stages(self, blueprint: Blueprint, par: parallel_setup.Parallel,
+                      compiler: Optional[compiling.Compiler], init: Any
+                      ) -> Tuple[List[Any], "OrderedDict[str, nn.Module]"]:
+        """Every virtual stage: this rank's built on its device (its layers built, given
+        memory or moved; tensor parallelism and FSDP applied), a stand-in for another rank's;
+        and this rank's layers by plain name."""
+        rank, device = dist.get_rank(), self._device
+        kept: "OrderedDict[str, nn.Module]" = OrderedDict()
+        stages: List[Any] = []
+        for k, owner in enumerate(blueprint.placement):
+            if owner != rank:
+                stages.append(RemoteStage(k, device))
+                continue
+            part = OrderedDict((name, _materialise(layer, device, init))
+                               for name, layer in blueprint.stages[k])
+            kept.update(part)
+            stage_module = par.apply(k, nn.Sequential(part))  # TP, FSDP (if any) in place
+            stages.append(Stage(k, stage_module, device,
+                                deferred_batch_norm=blueprint.layout.deferred_batch_norm,
+                                compiler=compiler))
+        _no_skips_in_factories(blueprint.module, kept)
+        return stages, kept
 
     # ---------------------------------------------------------------- properties
     @property
@@ -259,9 +268,9 @@ class DistributedPipe(StagesStayPut, FrontDoor):
         mine = {k: v for k, v in state_dict.items() if k in local}
         missing = [k for k in local if k not in mine]
         if strict and missing:
-            raise RuntimeError(f"the state dict lacks {len(missing)} entries of the layers on rank "
-                               f"{self._driver.topology.rank}, e.g. {missing[:3]}; save it from "
-                               f"the plain model or gather every rank's state_dict()")
+            raise RuntimeError(f"the state dict lacks {len(missing)} entries of the layers on "
+                               f"rank {self._driver.topology.rank}, e.g. {missing[:3]}; save it "
+                               f"from the plain model or gather every rank's state_dict()")
         if sharded_state.has_dtensors(self.module):  # TP / FSDP shards: cut or redistributed
             return sharded_state.load(self.module, mine, strict=False)
         return self.module.load_state_dict(mine, strict=False, assign=assign)
@@ -284,15 +293,19 @@ class DistributedPipe(StagesStayPut, FrontDoor):
 
 
 # -------------------------------------------------------------------- construction helpers
-def _check_layers(module: Any) -> List[Any]:
-    if isinstance(module, nn.Sequential):
-        if len(module) == 0:
-            raise ValueError("module is an empty nn.Sequential; give it at least one layer")
-        return list(module)
-    if isinstance(module, (list, tuple)) and module and all(callable(f) for f in module):
-        return list(module)
-    raise TypeError(f"module must be an nn.Sequential or a list of functions that each build "
-                    f"one layer, got {type(module).__name__}")
+def _parallel(module: Any, process_group: Any, data_parallel_group: Any, **options: Any
+              ) -> parallel_setup.Parallel:
+    """The 3-D layout (``fastpipe.parallel``), checked before any work, on an initialised
+    ``torch.distributed``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ProcessGroupError("DistributedPipe needs torch.distributed: call "
+                                "torch.distributed.init_process_group() first (under torchrun "
+                                "the environment provides the rendezvous), or use "
+                                "fastpipe.Pipe in one process")
+    return parallel_setup.resolve(
+        module, process_group=backends.as_group(process_group, "process_group"),
+        data_parallel_group=backends.as_group(data_parallel_group, "data_parallel_group"),
+        **options)
 
 
 def _check_asynchronous(pipedream: Optional[Any], data_group: Optional[Any],
@@ -310,22 +323,6 @@ def _check_asynchronous(pipedream: Optional[Any], data_group: Optional[Any],
                                   "'1f1b'")
 
 
-def _check_tied(module: Any, tied: Sequence[Sequence[Any]]) -> List[List[str]]:
-    if not isinstance(module, nn.Sequential):
-        if tied:
-            raise ValueError("tied=... needs the model as an nn.Sequential (it names the "
-                             "plain model's parameters); layer factories cannot share weights")
-        return []
-    return tied_weights.check(module, tied)
-
-
-def _skip_plans(module: Any, balance: Sequence[int]) -> Dict[int, Any]:
-    """Where the skip connections (``fastpipe.skip``) go, by virtual stage (checked)."""
-    if isinstance(module, nn.Sequential):
-        return skip_layout.plan(module, balance)
-    return {}
-
-
 def _no_skips_in_factories(module: Any, kept: Dict[str, nn.Module]) -> None:
     if isinstance(module, nn.Sequential):
         return
@@ -333,22 +330,6 @@ def _no_skips_in_factories(module: Any, kept: Dict[str, nn.Module]) -> None:
         raise NotImplementedError("skip connections (fastpipe.skip) need the model as an "
                                   "nn.Sequential (on the meta device if it is large), so that "
                                   "every rank knows where each skip goes")
-
-
-def _balance(module: Any, layers: List[Any], balance: Optional[Sequence[int]],
-             parts: int) -> List[int]:
-    if balance is None:
-        if len(layers) < parts:
-            raise ValueError(f"the model has {len(layers)} layers but the pipeline needs at "
-                             f"least {parts} (ranks x virtual_stages); use fewer ranks")
-        if isinstance(module, nn.Sequential):
-            return auto_balance(module, parts)
-        return [len(range(i, len(layers), parts)) for i in range(parts)]
-    values = check_balance(balance, layers)
-    if len(values) != parts:
-        raise ValueError(f"balance has {len(values)} entries but the pipeline has {parts} "
-                         f"virtual stages (ranks x virtual_stages); give one count per stage")
-    return values
 
 
 def _materialise(layer: Any, device: torch.device, init_weights: Any) -> nn.Module:

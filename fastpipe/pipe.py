@@ -1,4 +1,4 @@
-"""``Pipe``: split an ``nn.Sequential`` into stages, place them, and run micro-batches through them.
+"""``Pipe``: split an ``nn.Sequential`` into stages, place them, run micro-batches through them.
 
 The front door of the local executor. ``Pipe`` takes torchgpipe's ``GPipe`` arguments plus a
 ``schedule``; ``pipe(x)`` runs a forward pass whose output can be backpropagated as usual, and
@@ -12,17 +12,14 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import outputs, tracing
 from .policies import compile as compiling, tied as tied_weights
-from .frontdoor import FrontDoor, parse_layout
-from .placement import (Device, StagesStayPut, auto_balance, check_balance, check_chunk_count,
-                        check_flag, check_materialised, check_module, check_workers,
-                        default_partitions, resolve_devices, resolve_virtual_stages, split)
+from .frontdoor import Blueprint, FrontDoor, Layout, OnDevices, plan_pipeline
+from .placement import Device, StagesStayPut, check_flag, check_workers
 from .runtime import graphs, weight_versions
 from .runtime.drivers.in_process import InProcessDriver
 from .runtime.stage import Stage
 from .autotune.workers import WorkerPolicy
-from .skip import exchange as skip_exchange, layout as skip_layout
+from .skip import exchange as skip_exchange
 
 
 class Pipe(StagesStayPut, FrontDoor):
@@ -117,62 +114,44 @@ class Pipe(StagesStayPut, FrontDoor):
                  output_reduction: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         compiler = compiling.check(compile)  # as takes_compiled resolved it
-        reductions = outputs.check_output_reduction(output_reduction)
-        traced = module if tracing.wanted(module, split_points) else None
-        self._take_outputs(reductions, module, traced is not None)
-        if traced is not None:  # any module: traced, cut at split_points (fastpipe.tracing)
-            check_materialised(traced)
-            count = tracing.stage_count(devices, resolve_virtual_stages(virtual_stages, schedule))
-            module = tracing.stages_of(traced, split_points, example_inputs, count,
-                                       deferred_batch_norm=deferred_batch_norm)
-            balance = None
-        object.__setattr__(self, "_traced", (traced, split_points))  # what generate() traces
-        module = check_module(module)
-        check_materialised(module)
-        layout = parse_layout(chunks, checkpoint, schedule, virtual_stages, timeout,
-                              deferred_batch_norm)
+        blueprint = plan_pipeline(
+            module, OnDevices(devices), chunks=chunks, schedule=schedule, balance=balance,
+            checkpoint=checkpoint, virtual_stages=virtual_stages, timeout=timeout,
+            deferred_batch_norm=deferred_batch_norm, tied=tied, split_points=split_points,
+            example_inputs=example_inputs, output_reduction=output_reduction)
         workers = check_workers(cpu_workers)
         use_graphs = check_flag(cuda_graphs, "cuda_graphs")
-        compiling.check_modes(compiler, checkpoint=layout.checkpoint, cuda_graphs=use_graphs)
-        v = layout.virtual_stages
-        if len(module) < v:
-            raise ValueError(f"virtual_stages={v} needs at least {v} layers per device but the "
-                             f"module has {len(module)}; lower virtual_stages")
-        if balance is None:
-            stages = max(1, min(default_partitions(module, devices), len(module) // v))
-            balance = auto_balance(module, stages * v)
-        layout = layout.with_balance(check_balance(balance, module))
-        skips = skip_layout.plan(module, layout.balance)  # raises for inconsistent skip names
-        tie_groups = tied_weights.check(module, tied)
-        asynchronous = layout.first_schedule == "pipedream"
-        if check_flag(vertical_sync, "vertical_sync") and not asynchronous:
-            raise ValueError(f"vertical_sync=True applies to schedule='pipedream' only, got "
-                             f"schedule={schedule!r}")
-        num_stages = check_chunk_count(len(layout.balance), v)
-        self._devices = tuple(resolve_devices(devices, num_stages))
-        plan = self._begin(layout)  # raises for a schedule that cannot run this layout
-        tied_weights.tie(module, tie_groups)
-        self.module = module
-        parts = split(module, layout.balance)
-        where = [self._devices[plan.stage_of(k)[0]] for k in range(len(parts))]
-        for part, device in zip(parts, where):
+        compiling.check_modes(compiler, checkpoint=blueprint.layout.checkpoint,
+                              cuda_graphs=use_graphs)
+        vertical_sync = _check_vertical_sync(vertical_sync, blueprint.layout)
+        self._begin(blueprint, _devices=blueprint.physical,
+                    _traced=(blueprint.traced, split_points))  # what generate() traces
+        self._realise(blueprint, compiler, use_graphs, vertical_sync, workers)
+
+    def _realise(self, blueprint: Blueprint, compiler: Optional[compiling.Compiler],
+                 use_graphs: bool, vertical_sync: bool, cpu_workers: Optional[int]) -> None:
+        """The plan on this process's devices: weights tied, each stage's layers moved to its
+        device, tied weights and skip connections wired, the workers and the driver."""
+        layout = blueprint.layout
+        tied_weights.tie(blueprint.module, blueprint.ties)
+        parts = [nn.Sequential(*blueprint.layers_of(k)) for k in range(len(layout.balance))]
+        for part, device in zip(parts, blueprint.placement):
             part.to(device)
-        object.__setattr__(self, "_partitions", nn.ModuleList(parts))
-        object.__setattr__(self, "_stages", [
-            Stage(k, part, device, deferred_batch_norm=layout.deferred_batch_norm,
-                  compiler=compiler)
-            for k, (part, device) in enumerate(zip(parts, where))])
-        tied_grads = tied_weights.bind(self._stages, tied_weights.find(module, layout.balance))
-        skip_exchange.wire(self._stages, skips)
+        stages = [Stage(k, part, device, deferred_batch_norm=layout.deferred_batch_norm,
+                        compiler=compiler)
+                  for k, (part, device) in enumerate(zip(parts, blueprint.placement))]
+        tied_grads = tied_weights.bind(stages, tied_weights.find(blueprint.module, layout.balance))
+        skip_exchange.wire(stages, blueprint.skips)
         if use_graphs:
-            graphs.enable(self._stages)
-        self._pipedream = (weight_versions.PipeDream(self._stages, vertical_sync) if asynchronous
-                           else None)
-        if traced is not None:
-            self.module = traced  # names, state dicts and modes are the traced module's
-        object.__setattr__(self, "_workers", WorkerPolicy(self._devices, workers))
-        object.__setattr__(self, "_driver", InProcessDriver(
-            self._stages, self._devices, self._workers, tied_grads, layout.timeout))
+            graphs.enable(stages)
+        workers = WorkerPolicy(self._devices, cpu_workers)
+        self._keep(_partitions=nn.ModuleList(parts), _stages=stages, _workers=workers,
+                   _pipedream=(weight_versions.PipeDream(stages, vertical_sync)
+                               if layout.first_schedule == "pipedream" else None),
+                   _driver=InProcessDriver(stages, self._devices, workers, tied_grads,
+                                           layout.timeout))
+        # names, state dicts and modes are the traced module's, or the layers'
+        self.module = blueprint.traced if blueprint.traced is not None else blueprint.module
 
     # ---------------------------------------------------------------- read-only properties
     @property
@@ -203,13 +182,23 @@ class Pipe(StagesStayPut, FrontDoor):
     def _placement(self) -> Tuple[Sequence[torch.device], str]:
         return self._devices, "Pipe(devices=...)"
 
+    def _local_devices(self) -> Tuple[torch.device, ...]:
+        return self._devices
+
     def __repr__(self) -> str:
         layout = ", ".join(f"{b}@{d}" for b, d in zip(self.balance, self._devices))
-        return (f"Pipe(stages=[{layout}], chunks={self._chunks}, schedule={self._schedule_name!r}, "
-                f"checkpoint={self.checkpoint!r})")
+        return (f"Pipe(stages=[{layout}], chunks={self._chunks}, "
+                f"schedule={self._schedule_name!r}, checkpoint={self.checkpoint!r})")
 
     def __del__(self) -> None:
         workers = self.__dict__.get("_workers")
         if workers is not None:
             workers.shutdown()
 
+
+def _check_vertical_sync(vertical_sync: Any, layout: Layout) -> bool:
+    """``vertical_sync``, checked: it applies to PipeDream's weight versions only."""
+    if check_flag(vertical_sync, "vertical_sync") and layout.first_schedule != "pipedream":
+        raise ValueError(f"vertical_sync=True applies to schedule='pipedream' only, got "
+                         f"schedule={layout.schedule!r}")
+    return bool(vertical_sync)

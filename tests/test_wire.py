@@ -8,7 +8,7 @@ import torch
 
 from collections import Counter
 
-from fastpipe.runtime.dist_executor import last_gradient_actions
+from fastpipe.runtime.rank_executor import last_gradient_actions
 from fastpipe.runtime.gradients.data_parallel import buckets
 from fastpipe.runtime.lowering import lowering, skip_links
 from fastpipe.runtime.transport.message import TENSOR as _TENSOR, Message, flatten as _flatten

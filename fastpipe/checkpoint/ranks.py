@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..distributed import DistributedPipe
 from ..parallel.optimizer_names import OptimizerStateError
-from ..runtime.failure.board import wait_work
+from ..runtime.failure.waits import wait_work
 from . import errors
 
 _TYPES: Dict[str, Type[BaseException]] = {t.__name__: t for t in (

@@ -16,11 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..runtime.dist_executor import DistributedExecutor, Topology
+from ..runtime.dist_executor import Topology, distributed_executor
 from ..runtime.transport.message import TENSOR, post, take, unflatten
 from ..runtime.drivers.per_rank import RemoteStage
 from ..runtime.stage import order_streams
-from ..runtime.step import StepState
+from ..runtime.step import StepConfig, StepState
 from ..schedule import Action, ActionKind, Schedule
 from ..schedule.decode import decode, validate_decode
 from .inputs import Feeder
@@ -139,8 +139,8 @@ def run_schedule(driver: Any, schedule: Schedule, stages: Sequence[Any], run: Ru
     unrolled = [(Unrolled(w, stages[w % k]) if getattr(stages[w % k], "module", None) is not None
                  else RemoteStage(w, stages[w % k].device))
                 for w in range(schedule.num_virtual_stages)]
-    step = DecodeStep(stages=unrolled, inputs=[], train=False, seed=0, checkpoint_stop=0,
-                      timeout=timeout, grad_enabled=False, handlers=HANDLERS, run=run)
+    step = DecodeStep(StepConfig(tuple(unrolled), timeout), inputs=[], train=False, seed=0,
+                      checkpoint_stop=0, grad_enabled=False, handlers=HANDLERS, run=run)
     local = [s for s in stages if getattr(s, "module", None) is not None]
     order_streams(local, before=True)
     try:
@@ -158,7 +158,7 @@ def _run_on_ranks(driver: Any, schedule: Schedule, step: DecodeStep) -> None:
     topology = driver.topology
     k = len(topology.owner)
     owner = [topology.owner[w % k] for w in range(schedule.num_virtual_stages)]
-    executor = DistributedExecutor(
+    executor = distributed_executor(
         Topology(owner, topology.rank, topology.stage, topology.group, topology.device),
         driver.board, None, (), grouped=driver.p2p == "grouped")
     executor.wire(step, schedule)

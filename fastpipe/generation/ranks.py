@@ -10,7 +10,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..runtime.failure.board import wait_work
+from ..runtime.failure.waits import wait_work
 from .arguments import Request, check_prompt
 
 HEADER = 4  # status, batch, length, the mask's dtype (0: no mask)

@@ -99,15 +99,41 @@ def resolve(module: Any, *, mesh: Optional[Any], process_group: Optional[Any],
         raise ValueError(f"data_parallel={data_parallel!r}: choose 'replicate' (all-reduce "
                          f"the gradients, today's default) or 'fsdp' (FSDP2 shards)")
     if mesh is None:
-        if tensor_parallel is not None:
-            raise ValueError("tensor_parallel=... needs mesh=fastpipe.init_mesh(pipeline=P, "
-                             "tensor=T, ...): the mesh says which ranks form a tensor-parallel "
-                             "group")
-        if data_parallel == "fsdp":
-            raise ValueError("data_parallel='fsdp' needs mesh=fastpipe.init_mesh(pipeline=P, "
-                             "shard=S) (or data=D): FSDP shards over a mesh dimension")
-        group = process_group if process_group is not None else dist.group.WORLD
-        return Parallel(group, data_parallel_group, data_parallel_group is not None)
+        return _without_mesh(process_group, data_parallel_group, tensor_parallel, data_parallel)
+    _check_mesh(mesh, process_group, data_parallel_group, tensor_parallel, data_parallel)
+    sharded = data_parallel == "fsdp"
+    _check_engines(module, sharded, tensor_parallel, schedule, traced, tied)
+    tensor.check_plan(tensor_parallel, module, mesh.size("tensor"))
+    if tensor_parallel is not None and isinstance(module, nn.Module):
+        _no_tied_in_plan(module, tensor_parallel, tied)
+    data_group = mesh.batch_group if mesh.replicas > 1 else None
+    fsdp_mesh = None
+    if sharded:
+        dims = tuple(d for d in ("data", "shard") if mesh.size(d) > 1) or ("shard",)
+        fsdp_mesh = mesh[dims if len(dims) > 1 else dims[0]]
+    return Parallel(mesh.group("pipeline"), data_group, replicate=not sharded and
+                    data_group is not None, mesh=mesh, plan=tensor_parallel, fsdp_mesh=fsdp_mesh)
+
+
+def _without_mesh(process_group: Optional[Any], data_parallel_group: Optional[Any],
+                  tensor_parallel: Optional[tensor.Plan], data_parallel: str) -> Parallel:
+    """The layout of a pipe given its groups (or the whole world): no tensor parallelism, no
+    FSDP, which need a mesh."""
+    if tensor_parallel is not None:
+        raise ValueError("tensor_parallel=... needs mesh=fastpipe.init_mesh(pipeline=P, "
+                         "tensor=T, ...): the mesh says which ranks form a tensor-parallel "
+                         "group")
+    if data_parallel == "fsdp":
+        raise ValueError("data_parallel='fsdp' needs mesh=fastpipe.init_mesh(pipeline=P, "
+                         "shard=S) (or data=D): FSDP shards over a mesh dimension")
+    group = process_group if process_group is not None else dist.group.WORLD
+    return Parallel(group, data_parallel_group, data_parallel_group is not None)
+
+
+def _check_mesh(mesh: Any, process_group: Optional[Any], data_parallel_group: Optional[Any],
+                tensor_parallel: Optional[tensor.Plan], data_parallel: str) -> None:
+    """A mesh from ``init_mesh``, of the whole world, alone, with the plan and mode its
+    dimensions call for."""
     if process_group is not None or data_parallel_group is not None:
         raise ValueError("mesh=... gives the pipeline and data-parallel groups: pass either "
                          "mesh= or process_group=/data_parallel_group=, not both")
@@ -127,7 +153,11 @@ def resolve(module: Any, *, mesh: Optional[Any], process_group: Optional[Any],
     if mesh.size("shard") > 1 and data_parallel != "fsdp":
         raise ValueError(f"the mesh has shard={mesh.size('shard')}: pass data_parallel='fsdp' "
                          f"(or build the mesh with data=... for replicated data parallelism)")
-    sharded = data_parallel == "fsdp"
+
+
+def _check_engines(module: Any, sharded: bool, tensor_parallel: Optional[tensor.Plan],
+                   schedule: str, traced: bool, tied: Sequence[Any]) -> None:
+    """What tensor parallelism and FSDP cannot run with: a traced model, PipeDream, ties."""
     if (sharded or tensor_parallel is not None) and traced:
         raise NotImplementedError("tensor_parallel= and data_parallel='fsdp' need the model as "
                                   "an nn.Sequential (or layer factories); a module traced at "
@@ -141,16 +171,6 @@ def resolve(module: Any, *, mesh: Optional[Any], process_group: Optional[Any],
         raise NotImplementedError("data_parallel='fsdp' with tied (shared) parameters is not "
                                   "supported yet (FSDP would shard each use's copy separately); "
                                   "untie them or use data_parallel='replicate'")
-    tensor.check_plan(tensor_parallel, module, t)
-    if tensor_parallel is not None and isinstance(module, nn.Module):
-        _no_tied_in_plan(module, tensor_parallel, tied)
-    data_group = mesh.batch_group if mesh.replicas > 1 else None
-    fsdp_mesh = None
-    if sharded:
-        dims = tuple(d for d in ("data", "shard") if mesh.size(d) > 1) or ("shard",)
-        fsdp_mesh = mesh[dims if len(dims) > 1 else dims[0]]
-    return Parallel(mesh.group("pipeline"), data_group, replicate=not sharded and
-                    data_group is not None, mesh=mesh, plan=tensor_parallel, fsdp_mesh=fsdp_mesh)
 
 
 def _shares_parameters(module: Any) -> bool:

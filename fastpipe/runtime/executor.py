@@ -10,17 +10,25 @@ the GIL inside kernels and autograd), each on its own CUDA stream on a GPU. The 
 nothing of particular schedules: it looks each action's kind up in a handler table. A failing stage
 aborts the step for every worker, and a worker whose stages wait longer than the timeout fails
 with an error naming the stage, the action and the micro-batch.
+
+What differs when the executor runs one rank's stage of a distributed pipe (the wiring, how a
+worker walks its program and waits for a missing message, where failures elsewhere are read,
+what surrounds an action) is a :class:`Strategy`; :class:`InProcess` is the default.
 """
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
+import functools
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..errors import (LossFunctionError, PipelineAborted, PipelineError, PipelineTimeout,
                       describe, located)
 from ..schedule import Action, ActionKind, Schedule, SkipLink
+from .failure.timeouts import Waiting, timeout_error
 from .observe.profiler_ranges import action_range
 from .lowering import Route, is_ready, lowering, skip_links
 from .transport.mailbox import Mailbox
@@ -29,20 +37,61 @@ from .step import HANDLERS, StepState
 
 Handler = Callable[[StepState, Stage, Action], None]
 Rows = Sequence[Sequence[Tuple[Action, Route]]]  # each stage's actions with their routes
+Pending = List[Tuple[Action, Route]]  # the next action of each stage not finished, with its route
+
+
+@dataclass
+class Worker:
+    """One worker thread's share of a step: its physical stages, every stage's lowered actions,
+    its doorbell, and ``run(stage, action)``, which runs one action for it."""
+
+    index: int
+    stages: List[int]
+    rows: Rows
+    bell: threading.Condition
+    run: Callable[[Any, Action], None]
+
+
+class Strategy(Protocol):
+    """What differs between running every stage in this process (:class:`InProcess`) and
+    running one rank's stage of a distributed pipe: the programs expected, the skip
+    connections, the wiring, where failures elsewhere are read, how a worker walks its
+    programs (and waits for a missing message), and what surrounds each action."""
+
+    watch_every: float  # seconds between the watchdog's looks while the workers run
+
+    def check_programs(self, programs: Sequence[Sequence[Action]],
+                       groups: Sequence[Sequence[int]]) -> None: ...
+
+    def skip_links(self, step: StepState) -> Tuple[SkipLink, ...]: ...
+
+    def wire_workers(self, programs: Sequence[Sequence[Action]], step: StepState,
+                     schedule: Schedule, groups: Sequence[Sequence[int]]
+                     ) -> List[threading.Condition]: ...
+
+    def failure_elsewhere(self) -> Optional[str]: ...
+
+    def work(self, step: StepState, worker: Worker) -> None: ...
+
+    def around_action(self, step: StepState, stage: Any,
+                      action: Action) -> ContextManager[None]: ...
 
 
 class LocalExecutor:
     """Runs per-stage action programs on a persistent pool of worker threads.
 
-    ``groups[w]`` lists the physical stages worker ``w`` runs, in pipeline order.
+    ``groups[w]`` lists the physical stages worker ``w`` runs, in pipeline order; ``strategy``
+    says how they are wired and walked (every stage in this process by default); ``rank`` is the
+    process's pipeline rank, named in errors (distributed).
     """
 
-    rank: Optional[int] = None  # the process's pipeline rank, named in errors (distributed)
-
     def __init__(self, groups: Sequence[Sequence[int]],
-                 handlers: Dict[ActionKind, Handler] = HANDLERS) -> None:
+                 handlers: Dict[ActionKind, Handler] = HANDLERS,
+                 strategy: Optional[Strategy] = None, rank: Optional[int] = None) -> None:
         self.groups = [list(g) for g in groups]
         self.handlers = handlers
+        self.strategy: Strategy = strategy if strategy is not None else InProcess()
+        self.rank = rank
         self._pool = futures.ThreadPoolExecutor(len(self.groups),
                                                 thread_name_prefix="fastpipe-worker")
         self._lock = threading.Lock()
@@ -51,132 +100,70 @@ class LocalExecutor:
             schedule: Schedule) -> None:
         """Run one step: ``programs[s]`` is physical stage ``s``'s action list, in order (the
         ``schedule``'s actions or a subset of them; it places the chunks)."""
-        self._check_programs(programs)
-        lowered = lowering(schedule, programs, self._skip_links(step))
+        self.strategy.check_programs(programs, self.groups)
+        lowered = lowering(schedule, programs, self.strategy.skip_links(step))
         step.routes = lowered.routes
-        if not self._lock.acquire(timeout=step.timeout):  # one step at a time per pipeline
+        timeout = step.config.timeout
+        if not self._lock.acquire(timeout=timeout):  # one step at a time per pipeline
             raise PipelineTimeout(
-                f"another step of this pipeline has been running for over {step.timeout:g}s; "
+                f"another step of this pipeline has been running for over {timeout:g}s; "
                 f"run the steps of one Pipe one after another")
         try:
-            bells = self._wire(programs, step, schedule)
-            jobs = [self._pool.submit(self._work, step, w, group, lowered.rows, bells[w])
-                    for w, group in enumerate(self.groups)]
+            bells = self.strategy.wire_workers(programs, step, schedule, self.groups)
+            jobs = [self._pool.submit(self._work, step, Worker(
+                w, group, lowered.rows, bells[w], functools.partial(self._run_action, step, w)))
+                for w, group in enumerate(self.groups)]
             self._watch(jobs, step)
-            futures.wait(jobs, timeout=step.timeout + 1.0)  # the others stop at their next check
+            futures.wait(jobs, timeout=timeout + 1.0)  # the others stop at their next check
             self._raise_first(jobs, step)
         finally:
             self._lock.release()
-
-    def _check_programs(self, programs: Sequence[Sequence[Action]]) -> None:
-        if len(programs) != sum(len(g) for g in self.groups):
-            raise ValueError(f"expected {sum(len(g) for g in self.groups)} stage programs, "
-                             f"got {len(programs)}")
-
-    def _skip_links(self, step: StepState) -> Tuple[SkipLink, ...]:
-        """The model's skip connections (every stage is in this process)."""
-        return skip_links(stage.skips.skips for stage in step.stages if stage.skips is not None)
-
-    watch_every = 1.0  # seconds between the watchdog's looks while the workers run
-
-    def _failure_elsewhere(self) -> Optional[str]:
-        """A failure reported from outside this executor (another rank), or None."""
-        return None
 
     def _watch(self, jobs: List["futures.Future[None]"], step: StepState) -> None:
         """Wait for the workers; give up on a step whose actions stopped finishing, or that
         failed elsewhere."""
         seen, since = -1, time.monotonic()
         while True:
-            done, pending = futures.wait(jobs, timeout=min(step.timeout, self.watch_every),
+            done, pending = futures.wait(jobs, timeout=min(step.config.timeout,
+                                                           self.strategy.watch_every),
                                          return_when=futures.FIRST_EXCEPTION)
             if not pending or any(job.exception() is not None for job in done):
                 return
-            reason = self._failure_elsewhere()
+            reason = self.strategy.failure_elsewhere()
             if reason is not None:
                 step.abort.trip(reason)
                 return
             if step.completed != seen:
                 seen, since = step.completed, time.monotonic()
-            elif time.monotonic() - since > step.timeout:
+            elif time.monotonic() - since > step.config.timeout:
                 step.abort.trip("the step made no progress")
                 return
 
-    def _wire(self, programs: Sequence[Sequence[Action]], step: StepState,
-              schedule: Schedule) -> List[threading.Condition]:
-        """Give every virtual stage a mailbox ringing the bell of the worker that runs it."""
-        bells = [threading.Condition() for _ in self.groups]
-        worker_of = {s: w for w, group in enumerate(self.groups) for s in group}
-        step.mailboxes = [Mailbox(bells[worker_of[schedule.stage_of(v)[0]]])
-                          for v in range(len(step.stages))]
-        for bell in bells:
-            step.abort.register(bell)
-        step.progress = [("not started", None)] * len(programs)
-        step.busy = [0.0] * len(self.groups)
-        return bells
-
-    def _work(self, step: StepState, worker: int, group: List[int], rows: Rows,
-              bell: threading.Condition) -> None:
-        cursors = {s: 0 for s in group}
-        order = list(reversed(group))  # downstream first: outputs leave the worker sooner
-        deadline = time.monotonic() + step.timeout
+    def _work(self, step: StepState, worker: Worker) -> None:
         with step.ambient():
-            while any(cursors[s] < len(rows[s]) for s in group):
-                ran = False
-                if step.abort.reason is not None:
-                    raise PipelineAborted(f"worker of stages {group} stopped because "
-                                          f"{step.abort.reason}")
-                for s in order:
-                    if cursors[s] < len(rows[s]):
-                        action, route = rows[s][cursors[s]]
-                        if is_ready(step, route):
-                            self._run_action(step, worker, step.stages[route.virtual_stage],
-                                             action)
-                            cursors[s] += 1
-                            ran = True
-                if ran:
-                    deadline = time.monotonic() + step.timeout
-                else:
-                    self._sleep(step, group, rows, cursors, bell, deadline)
-
-    def _sleep(self, step: StepState, group: List[int], rows: Rows, cursors: Dict[int, int],
-               bell: threading.Condition, deadline: float) -> None:
-        """Wait until a message arrives for one of the worker's stages, or fail."""
-        waiting = [rows[s][cursors[s]] for s in group if cursors[s] < len(rows[s])]
-        pending = [action for action, _ in waiting]
-        with bell:
-            while True:
-                if step.abort.reason is not None:
-                    first = pending[0]
-                    raise PipelineAborted(
-                        f"stage {first.stage} stopped waiting for the input of {first} "
-                        f"(micro-batch {first.microbatch}) because {step.abort.reason}")
-                if any(is_ready(step, route) for _, route in waiting):
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise _timeout(step, pending)
-                bell.wait(remaining)
+            self.strategy.work(step, worker)
 
     def _run_action(self, step: StepState, worker: int, stage: Stage, action: Action) -> None:
-        step.progress[action.stage] = ("running", action)
-        start = time.perf_counter()
-        try:
-            with stage.context(), action_range(stage, action):
-                token = step.recorder.begin(stage) if step.recorder else None
-                (step.handlers or self.handlers)[action.kind](step, stage, action)
-            if step.recorder:
-                step.recorder.end(stage, action, token)
-        except (PipelineError, LossFunctionError) as error:
-            step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
-            raise
-        except BaseException as error:
-            step.abort.trip(f"stage {action.stage} failed in action {action}: {describe(error)}")
-            located(error, action, self.rank)
-            raise
-        step.progress[action.stage] = ("finished", action)
-        step.busy[worker] += time.perf_counter() - start
-        step.done()
+        with self.strategy.around_action(step, stage, action):
+            step.progress[action.stage] = ("running", action)
+            start = time.perf_counter()
+            try:
+                with stage.context(), action_range(stage, action):
+                    token = step.recorder.begin(stage) if step.recorder else None
+                    (step.handlers or self.handlers)[action.kind](step, stage, action)
+                if step.recorder:
+                    step.recorder.end(stage, action, token)
+            except (PipelineError, LossFunctionError) as error:
+                step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
+                raise
+            except BaseException as error:
+                step.abort.trip(f"stage {action.stage} failed in action {action}: "
+                                f"{describe(error)}")
+                located(error, action, self.rank)
+                raise
+            step.progress[action.stage] = ("finished", action)
+            step.busy[worker] += time.perf_counter() - start
+            step.done()
 
     @staticmethod
     def _raise_first(jobs: List["futures.Future[None]"], step: StepState) -> None:
@@ -189,9 +176,9 @@ class LocalExecutor:
                               for s, (state, action) in enumerate(step.progress))
             step.abort.trip("the step timed out")
             raise PipelineTimeout(
-                f"the pipeline step made no progress for {step.timeout:g}s ({where}); an action is "
-                f"stuck in user code: raise the pipe's timeout=... if one action legitimately takes "
-                f"longer")
+                f"the pipeline step made no progress for {step.config.timeout:g}s ({where}); an "
+                f"action is stuck in user code: raise the pipe's timeout=... if one action "
+                f"legitimately takes longer")
         if errors:
             raise errors[0]
 
@@ -199,12 +186,102 @@ class LocalExecutor:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+Wait = Callable[[StepState, Worker, Pending, float], None]
+
+
+def run_when_ready(step: StepState, worker: Worker, wait: Wait) -> None:
+    """Run the worker's programs: in each pass over its stages, the next action of every stage
+    whose messages have arrived (downstream first: outputs leave the worker sooner); when none
+    can move, ``wait(step, worker, pending, deadline)`` until one can, or fail."""
+    rows, stages = worker.rows, worker.stages
+    cursors = {s: 0 for s in stages}
+    order = list(reversed(stages))
+    deadline = time.monotonic() + step.config.timeout
+    while any(cursors[s] < len(rows[s]) for s in stages):
+        ran = False
+        if step.abort.reason is not None:
+            raise PipelineAborted(f"worker of stages {stages} stopped because "
+                                  f"{step.abort.reason}")
+        for s in order:
+            if cursors[s] < len(rows[s]):
+                action, route = rows[s][cursors[s]]
+                if is_ready(step, route):
+                    worker.run(step.config.stages[route.virtual_stage], action)
+                    cursors[s] += 1
+                    ran = True
+        if ran:
+            deadline = time.monotonic() + step.config.timeout
+        else:
+            wait(step, worker, [rows[s][cursors[s]] for s in stages if cursors[s] < len(rows[s])],
+                 deadline)
+
+
+class InProcess:
+    """Every stage in this process: each virtual stage's mailbox rings the bell of the worker
+    that runs it, and a worker with nothing ready sleeps on its bell."""
+
+    watch_every = 1.0
+
+    def check_programs(self, programs: Sequence[Sequence[Action]],
+                       groups: Sequence[Sequence[int]]) -> None:
+        if len(programs) != sum(len(g) for g in groups):
+            raise ValueError(f"expected {sum(len(g) for g in groups)} stage programs, "
+                             f"got {len(programs)}")
+
+    def skip_links(self, step: StepState) -> Tuple[SkipLink, ...]:
+        """The model's skip connections (every stage is in this process)."""
+        return skip_links(stage.skips.skips for stage in step.config.stages
+                          if stage.skips is not None)
+
+    def wire_workers(self, programs: Sequence[Sequence[Action]], step: StepState,
+                     schedule: Schedule, groups: Sequence[Sequence[int]]
+                     ) -> List[threading.Condition]:
+        """Give every virtual stage a mailbox ringing the bell of the worker that runs it."""
+        bells = [threading.Condition() for _ in groups]
+        worker_of = {s: w for w, group in enumerate(groups) for s in group}
+        step.mailboxes = [Mailbox(bells[worker_of[schedule.stage_of(v)[0]]])
+                          for v in range(len(step.config.stages))]
+        for bell in bells:
+            step.abort.register(bell)
+        step.progress = [("not started", None)] * len(programs)
+        step.busy = [0.0] * len(groups)
+        return bells
+
+    def failure_elsewhere(self) -> Optional[str]:
+        """Nothing fails outside this process's workers."""
+        return None
+
+    def work(self, step: StepState, worker: Worker) -> None:
+        run_when_ready(step, worker, _sleep)
+
+    def around_action(self, step: StepState, stage: Any,
+                      action: Action) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def _sleep(step: StepState, worker: Worker, waiting: Pending, deadline: float) -> None:
+    """Wait until a message arrives for one of the worker's stages, or fail."""
+    pending = [action for action, _ in waiting]
+    with worker.bell:
+        while True:
+            if step.abort.reason is not None:
+                first = pending[0]
+                raise PipelineAborted(
+                    f"stage {first.stage} stopped waiting for the input of {first} "
+                    f"(micro-batch {first.microbatch}) because {step.abort.reason}")
+            if any(is_ready(step, route) for _, route in waiting):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _timeout(step, pending)
+            worker.bell.wait(remaining)
+
+
 def _timeout(step: StepState, pending: List[Action]) -> PipelineTimeout:
     first = pending[0]
     waits = ", ".join(f"{a} (micro-batch {a.microbatch})" for a in pending)
     step.abort.trip(f"stage {first.stage} timed out waiting for the input of {first}")
-    return PipelineTimeout(
-        f"stage {first.stage} timed out after {step.timeout:g}s waiting for the input of action "
-        f"{first} (micro-batch {first.microbatch}); waiting: {waits}. The stage that should send "
-        f"it is stuck or slow: raise the pipe's timeout=... if stages are this slow",
-        stage=first.stage, action=str(first), microbatch=first.microbatch)
+    return timeout_error(Waiting(
+        f"the input of action {first} (micro-batch {first.microbatch})", step.config.timeout,
+        stage=first.stage, action=first,
+        detail=f"; waiting: {waits}. The stage that should send it is stuck or slow"))

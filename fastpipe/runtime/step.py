@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Mapping, Optional,
+                    Sequence, Tuple)
 
 import torch
 
@@ -20,7 +21,7 @@ from ..policies.checkpoint import (backward_pairs, checkpointing, grad_pairs, mi
 from ..policies import offload
 from ..errors import LossFunctionError
 from ..model_loss import Bound as ModelLossStep
-from .gradients.token_mean import split_count
+from .gradients.token_mean import TokenMean, split_count
 from ..policies.selective import run_stage
 from ..schedule import Action, ActionKind
 from .transport.device_copy import land, ship
@@ -29,24 +30,45 @@ from .transport.mailbox import Abort, Mailbox
 from .transport.message import TENSOR, as_leaf, flatten, post, post_grads, take, unflatten
 from .stage import Stage
 
+if TYPE_CHECKING:
+    from .observe.trace import StepRecorder
+
+
+Handler = Callable[["StepState", Any, Action], None]  # runs one action of a stage
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What every step of a pipe shares, fixed by its layout: the stages, the longest any wait
+    may take, and the checkpoint mode (offload picks its contexts by it)."""
+
+    stages: Tuple[Stage, ...]
+    timeout: float
+    checkpoint_mode: str = "never"
+
+    @property
+    def last(self) -> int:
+        """The index of the last (virtual) stage."""
+        return len(self.stages) - 1
+
 
 @dataclass
 class StepState:
-    """Everything one step's handlers share; built by the front door, read by the workers."""
+    """One step's record: what the call asked for (inputs, targets, loss), and what the
+    handlers and workers fill in as the step runs. Built by the front door, read by the
+    workers."""
 
-    stages: Sequence[Stage]
+    config: StepConfig
     inputs: Sequence[Any]
     train: bool
     seed: int
     checkpoint_stop: int
-    timeout: float
     grad_enabled: bool = True
-    checkpoint_mode: str = "never"  # the Pipe's checkpoint mode (offload picks contexts by it)
     targets: Optional[Sequence[Any]] = None
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
     loss_weights: Optional[Sequence[float]] = None
-    token_mean: Optional[Any] = None  # a token_mean.TokenMean: (loss_sum, count) losses allowed
-    scaler: Optional[Any] = None  # a GradScaler: backward starts from the scaled loss
+    token_mean: Optional[TokenMean] = None  # (loss_sum, count) losses allowed
+    scaler: Optional[torch.amp.GradScaler] = None  # backward starts from the scaled loss
     abort: Abort = field(default_factory=Abort)
     split: AbstractSet[Tuple[int, int]] = frozenset()  # (stage, micro-batch) with a W
     saved: Dict[Tuple[int, int], "Held"] = field(default_factory=dict)
@@ -55,8 +77,8 @@ class StepState:
     progress: List[Tuple[str, Optional[Action]]] = field(default_factory=list)
     completed: int = 0
     busy: List[float] = field(default_factory=list)  # seconds spent in actions, per worker
-    recorder: Optional[Any] = None  # a trace.StepRecorder while the pipe is traced
-    handlers: Optional[Dict[ActionKind, Any]] = None  # replaces the executor's table (PipeDream)
+    recorder: Optional["StepRecorder"] = None  # while the pipe is traced
+    handlers: Optional[Mapping[ActionKind, Handler]] = None  # replaces the executor's (PipeDream)
     inflight: Dict[int, int] = field(default_factory=dict)  # micro-batches held, per stage
     peak_inflight: Dict[int, int] = field(default_factory=dict)
     grad_norm: Optional[float] = None  # the whole model's gradient norm, when measured
@@ -65,7 +87,7 @@ class StepState:
     def __post_init__(self) -> None:
         self.mailboxes: List[Mailbox] = []  # wired by the executor
         self.routes: Dict[Place, Route] = {}  # each action's messages, set by the executor
-        self.autocast = autocast_state(stage.device.type for stage in self.stages)
+        self.autocast = autocast_state(stage.device.type for stage in self.config.stages)
 
     def ambient(self) -> contextlib.ExitStack:
         """Re-enter, on a worker thread, the caller's thread-local grad mode and autocast state."""
@@ -73,10 +95,6 @@ class StepState:
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         stack.enter_context(autocast_regions(self.autocast))
         return stack
-
-    @property
-    def last(self) -> int:
-        return len(self.stages) - 1
 
     def hold(self, stage: int, delta: int) -> None:
         """Count micro-batches whose activations a stage holds for backward (and the peak)."""
@@ -178,7 +196,7 @@ def _shapes(value: Any) -> str:
 def _backprop_roots(step: StepState, stage: Stage, mb: int, output: Any) -> List[torch.Tensor]:
     """The tensors a stage's backward starts from: the weighted loss on the last stage, else
     the stage's tensor outputs."""
-    if stage.index == step.last:
+    if stage.index == step.config.last:
         loss = _loss(step, stage, mb, output)
         step.losses.setdefault(mb, loss.detach())
         return [scale_loss(step.scaler, loss)]
@@ -195,8 +213,9 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
     seed = microbatch_seed(step.seed, stage.index, mb)
     checkpoint = step.grad_enabled and mb < step.checkpoint_stop
     if not step.train:
+        mode = step.config.checkpoint_mode
         output = (stage.forward(inputs, seed, True) if checkpoint
-                  else run_stage(step.checkpoint_mode, stage, inputs, seed))  # selective policy
+                  else run_stage(mode, stage, inputs, seed))  # the selective policy
         output, _ = _skips_out(step, stage, mb, output, False)
         if route.output is None:  # the last stage keeps the output
             step.outputs[mb] = output
@@ -207,12 +226,12 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
         with torch.no_grad(), checkpointing():
             output, _ = _skips_out(step, stage, mb, stage.run(inputs, seed), True)
         held = Held(boundary, inputs=inputs)
-        if stage.index == step.last:
+        if stage.index == step.config.last:
             with torch.no_grad():
                 step.losses[mb] = _loss(step, stage, mb, output).detach()
     else:
-        with offload.forward_context(step.checkpoint_mode, stage, mb, boundary):
-            output = run_stage(step.checkpoint_mode, stage, inputs, seed)  # selective policy
+        with offload.forward_context(step.config.checkpoint_mode, stage, mb, boundary):
+            output = run_stage(step.config.checkpoint_mode, stage, inputs, seed)  # selective
             output, stashed = _skips_out(step, stage, mb, output, False)
             held = Held(boundary, outputs=_backprop_roots(step, stage, mb, output) + stashed)
     step.saved[(stage.index, mb)] = held
@@ -244,7 +263,7 @@ def backward_action(step: StepState, stage: Stage, action: Action) -> None:
     mb = action.microbatch
     route = step.routes[stage.index, action.kind, mb]
     held = step.saved[(stage.index, mb)]
-    offload.prefetch(step.checkpoint_mode, stage, mb)
+    offload.prefetch(step.config.checkpoint_mode, stage, mb)
     if held.inputs is not None:
         _recompute(step, stage, mb, held)
     if route.input is None:  # the last stage starts from its loss
@@ -290,7 +309,7 @@ def _release(step: StepState, stage: Stage, mb: int) -> None:
     step.hold(stage.index, -1)
 
 
-HANDLERS: Dict[ActionKind, Callable[[StepState, Stage, Action], None]] = {
+HANDLERS: Dict[ActionKind, Handler] = {
     ActionKind.FORWARD: forward_action,
     ActionKind.BACKWARD: backward_action,
     ActionKind.WEIGHT: weight_action,

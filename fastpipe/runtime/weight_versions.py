@@ -34,9 +34,8 @@ from torch import nn
 
 from ..errors import NonFiniteError
 from ..schedule import Action, ActionKind
-from .step import StepState, backward_action, forward_action
+from .step import Handler, StepState, backward_action, forward_action
 
-Handler = Callable[[StepState, Any, Action], None]
 Slot = Tuple[nn.Module, str, nn.Parameter]  # the module holding a parameter, its name, the live one
 
 

@@ -21,8 +21,10 @@ from ...errors import NonFiniteError, PeerLost, PipelineAborted, PipelineError
 from ...schedule import Action, Schedule
 from ...schedule.timeline import Timeline
 from ..transport import backends
-from ..failure.board import Board, wait_work
-from ..dist_executor import DistributedExecutor, Topology, last_gradient_actions
+from ..failure.board import Board
+from ..failure.waits import wait_work
+from ..dist_executor import distributed_executor
+from ..rank_executor import Topology, last_gradient_actions
 from ..gradients import closing, grad_norm
 from .base import Driver, scaler_found_inf
 from ..gradients.data_parallel import GradSync
@@ -66,8 +68,8 @@ class PerRankDriver(Driver):
         self.reports = topology.rank == min(topology.owner)
         self.board = Board(f"pipe{next(_instances)}", topology.rank,
                            ranks=dist.get_process_group_ranks(topology.group))
-        self.executor = DistributedExecutor(topology, self.board, self._after_action,
-                                            skip_links(skips.values()), grouped=p2p == "grouped")
+        self.executor = distributed_executor(topology, self.board, self._after_action,
+                                             skip_links(skips.values()), grouped=p2p == "grouped")
         self.p2p = p2p
         self._facts = backends.agreement(topology.device, p2p)
         self.board.share(self._facts)

@@ -1,4 +1,4 @@
-"""Failure notices between ranks, and bounded waits on ``torch.distributed`` work.
+"""Failure notices between ranks: the first failure, posted where every rank reads it.
 
 A rank that fails writes one line to the process group's key-value store (the "board"); every
 other rank checks the board while it waits, so it stops within a fraction of a second with an
@@ -6,19 +6,17 @@ error naming the rank that failed, instead of waiting for a message that will ne
 rank that dies without writing (killed) is caught by its peers' receive errors or timeouts.
 The keys of a pipe go under ``fastpipe/[attempt<N>/]pipe<K>/``: under torchrun's agent store,
 which every attempt of a restarted job shares, a new attempt never reads an old one's notices.
+The bounded waits that read the board live in :mod:`.waits`.
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
 from ...errors import PeerLost, PipelineAborted, PipelineError, PipelineTimeout
 from ..transport.backends import attempt_scope
 from .liveness import Liveness, unreachable
-
-CHECK_EVERY = 0.2  # seconds between looks at the board while waiting
 
 
 class Board:
@@ -119,29 +117,3 @@ def _default_store() -> Optional[Any]:
     except Exception:  # noqa: BLE001 - no store: failures are then caught by timeouts only
         return None
 
-
-def wait_work(work: Optional[Any], timeout: float, what: str, board: Board,
-              done: Optional[Callable[[], bool]] = None) -> None:
-    """Wait for an asynchronous ``torch.distributed`` work (polling, so that the board is read
-    and the wait never outlives ``timeout``); ``what`` names the wait in the error."""
-    is_done = done or work.is_completed
-    deadline = time.monotonic() + timeout
-    next_check = time.monotonic() + CHECK_EVERY
-    pause = 1e-5
-    while not is_done():
-        now = time.monotonic()
-        if now >= next_check:
-            board.check()
-            next_check = now + CHECK_EVERY
-        if now >= deadline:
-            raise board.blame(PipelineTimeout(
-                f"rank {board.rank} timed out after {timeout:g}s waiting for {what}; the peer "
-                f"rank is stuck, dead or much slower: raise timeout=... if that is expected",
-                rank=board.rank))
-        time.sleep(pause)
-        pause = min(pause * 2, 2e-3)
-    if work is not None:
-        try:
-            work.wait()  # completed: returns at once, or raises the work's own error
-        except RuntimeError as error:
-            raise board.lost(f"waiting for {what}", error) from error

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..failure.board import Board, wait_work
+from ..failure.board import Board
+from ..failure.waits import wait_work
 
 BUCKET_BYTES = 25 * 2 ** 20
 

@@ -18,7 +18,8 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..failure.board import Board, wait_work
+from ..failure.board import Board
+from ..failure.waits import wait_work
 
 
 @dataclass

@@ -1,16 +1,15 @@
 """``pipe.last_step``: the last training step's figures, measured without tracing, and the
 step context the doctor needs when the step is traced.
 
-Both front doors call :func:`finish_step` once at the end of every training step. It keeps the
-step's samples/s, wall time and measured bubble share (from the seconds each worker spent in
-actions, which the executor counts anyway), and, inside ``pipe.trace()``, records the step's
-:class:`~fastpipe.schedule.trace_file.StepContext`: when it began waiting for its input, when it
-returned, its schedule, balance and batch size. Under a profiler that records only the calling
-thread, it warns that the stage workers' ranges are missing.
+At the end of every training step a front door keeps :func:`finish_step`'s record: the step's
+samples/s, wall time and measured bubble share (from the seconds each worker spent in actions,
+which the executor counts anyway). Inside ``pipe.trace()`` it also records
+:func:`step_context`'s :class:`~fastpipe.schedule.trace_file.StepContext`: when the step began
+waiting for its input, when it returned, its schedule, balance and batch size. Both are pure
+functions of what they are given.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -18,10 +17,9 @@ import torch
 
 from ...schedule.trace_file import StepContext
 from ...placement import worker_groups
-from . import profiler_ranges
 from ..step import StepState
 
-__all__ = ["StepStats", "finish_step"]
+__all__ = ["StepShape", "StepStats", "finish_step", "step_context"]
 
 _REMOTE = "on another rank"  # a stage another process runs (see dist_executor)
 
@@ -69,28 +67,43 @@ class StepStats:
         return f"{self.samples} samples in {self.step_time * 1e3:.1f} ms: {self.summary}"
 
 
-def finish_step(door: Any, step: StepState, samples: int, started: float) -> None:
-    """Record a finished training step of ``door`` (a ``Pipe`` or ``DistributedPipe``) that
-    began at ``started`` (``time.perf_counter()``) and ran ``samples`` samples."""
-    now = time.perf_counter()
-    profiler_ranges.warn_if_workers_unseen()
-    trace = getattr(door, "_trace", None)
-    timeline = trace.timelines[-1] if trace is not None and trace.timelines else None
-    stats = StepStats(samples, now - started, _busy(step, timeline), _local_stages(step),
-                      step.grad_norm, step.skipped)
-    object.__setattr__(door, "_last_step", stats)
-    if timeline is not None and step.recorder is not None:
-        offset = _offset(step, timeline)
-        began = trace.last_end if trace.last_end is not None else trace.opened
-        trace.contexts[len(trace.timelines) - 1] = StepContext(
-            step_start=began - step.recorder.origin + offset,
-            step_called=started - step.recorder.origin + offset,
-            step_end=now - step.recorder.origin + offset,
-            action_overhead=_action_overhead(step), threads=_threads(door, step),
-            **_cuda_memory(door, step),
-            schedule=door.schedule, virtual_stages=door.virtual_stages,
-            balance=tuple(door.balance), samples=samples, checkpoint=door.checkpoint)
-        trace.last_end = now
+@dataclass(frozen=True)
+class StepShape:
+    """What a front door says of its pipe for a traced step's context: the schedule, virtual
+    stages, balance and checkpoint mode, and the devices of the stages when this process runs
+    them all, one per physical stage (a ``Pipe``: its worker threads and GPU memory are
+    reported), else ``None``."""
+
+    schedule: str
+    virtual_stages: int
+    balance: Tuple[int, ...]
+    checkpoint: str
+    devices: Optional[Tuple[torch.device, ...]] = None
+
+
+def finish_step(step: StepState, samples: int, started: float, ended: float,
+                timeline: Any = None) -> StepStats:
+    """The record of a finished training step that ran ``samples`` samples from ``started``
+    to ``ended`` (``time.perf_counter()``); ``timeline``: its measured timeline when traced."""
+    return StepStats(samples, ended - started, _busy(step, timeline), _local_stages(step),
+                     step.grad_norm, step.skipped)
+
+
+def step_context(step: StepState, samples: int, started: float, ended: float, trace: Any,
+                 shape: StepShape) -> StepContext:
+    """The context of a traced training step (``trace``: the ``Trace`` whose last timeline is
+    the step's), on that timeline's clock: when it began waiting for its input (the end of the
+    trace's previous training step, else the opening of the block), was called and ended."""
+    timeline = trace.timelines[-1]
+    origin = step.recorder.origin
+    offset = _offset(step, timeline)
+    began = trace.last_end if trace.last_end is not None else trace.opened
+    return StepContext(
+        step_start=began - origin + offset, step_called=started - origin + offset,
+        step_end=ended - origin + offset, action_overhead=_action_overhead(step),
+        threads=_threads(shape.devices, step), **_cuda_memory(shape.devices, step),
+        schedule=shape.schedule, virtual_stages=shape.virtual_stages, balance=shape.balance,
+        samples=samples, checkpoint=shape.checkpoint)
 
 
 CPU_ACTION_OVERHEAD = 20e-6
@@ -101,27 +114,27 @@ doctor adds it to the gaps it sees between actions when it predicts other micro-
 
 def _action_overhead(step: StepState) -> Optional[float]:
     """The fixed cost per action the doctor should assume (known for CPU stages only)."""
-    if any(getattr(stage, "stream", None) is not None for stage in step.stages):
+    if any(getattr(stage, "stream", None) is not None for stage in step.config.stages):
         return None
     return CPU_ACTION_OVERHEAD
 
 
-def _threads(door: Any, step: StepState) -> Optional[Tuple[Tuple[int, ...], ...]]:
+def _threads(devices: Optional[Tuple[torch.device, ...]],
+             step: StepState) -> Optional[Tuple[Tuple[int, ...], ...]]:
     """The stages each worker thread of a ``Pipe`` ran this step (one per GPU stage, the CPU
     stages in as many groups as the step had CPU workers); ``None`` for other front doors."""
-    devices = getattr(door, "devices", None)
-    if not isinstance(devices, tuple) or len(devices) != _local_stages(step):
+    if devices is None or len(devices) != _local_stages(step):
         return None
     gpu = sum(1 for d in devices if d.type != "cpu")
     groups = worker_groups(devices, max(1, len(step.busy) - gpu))
     return tuple(tuple(group) for group in groups)
 
 
-def _cuda_memory(door: Any, step: StepState) -> Dict[str, Tuple[float, ...]]:
+def _cuda_memory(devices: Optional[Tuple[torch.device, ...]],
+                 step: StepState) -> Dict[str, Tuple[float, ...]]:
     """Per stage of a ``Pipe`` whose stages are all on GPUs, the peak bytes allocated on its
     device (since the last reset) and the device's capacity; nothing otherwise."""
-    devices = getattr(door, "devices", None)
-    if not isinstance(devices, tuple) or len(devices) != _local_stages(step) or not all(
+    if devices is None or len(devices) != _local_stages(step) or not all(
             d.type == "cuda" for d in devices):
         return {}
     return {"memory_peak": tuple(float(torch.cuda.max_memory_allocated(d)) for d in devices),
@@ -140,7 +153,7 @@ def _busy(step: StepState, timeline: Any) -> Optional[float]:
         mine = {stage for stage, *_ in step.recorder.intervals} | {
             stage for stage, *_ in step.recorder.pending}
         return sum(timeline.busy[s] for s in mine) if mine else None
-    if any(getattr(stage, "stream", None) is not None for stage in step.stages):
+    if any(getattr(stage, "stream", None) is not None for stage in step.config.stages):
         return None
     return sum(step.busy)
 

@@ -51,7 +51,7 @@ def post(step: Any, dst: int, key: Hashable, value: Any, detach: bool,
              for t in tensors]
     if detach:
         tensors = [t.detach() for t in tensors]
-    parcel = ship(tensors, step.stages[dst].device)
+    parcel = ship(tensors, step.config.stages[dst].device)
     constants = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
     step.mailboxes[dst].put(key, Message(spec, constants, parcel, flags))
 
@@ -59,7 +59,7 @@ def post(step: Any, dst: int, key: Hashable, value: Any, detach: bool,
 def post_grads(step: Any, dst: int, key: Hashable,
                grads: Sequence[Optional[torch.Tensor]]) -> None:
     """Ship gradients (a flat list, ``None`` kept) to virtual stage ``dst`` under ``key``."""
-    parcel = ship(grads, step.stages[dst].device)
+    parcel = ship(grads, step.config.stages[dst].device)
     step.mailboxes[dst].put(key, Message(None, [], parcel, []))
 
 
