@@ -1,7 +1,7 @@
 """Runs every fused op with the Triton kernels under the interpreter and saves the results.
 
 Run as a script (``TRITON_INTERPRET=1`` must be set before Triton is imported, so it runs in
-its own process): ``python tests/_triton_cases.py OUT.pt``. tests/test_ops_triton.py compares the
+its own process): ``python tests/_triton_cases.py OUT.pt``. tests/ops/test_ops_triton.py compares the
 saved outputs and gradients against the reference backend.
 """
 from __future__ import annotations

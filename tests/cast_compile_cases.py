@@ -14,8 +14,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_cases import (TOL, DistributedPipe, check_grads, data, main, model,  # noqa: E402
-                        tied_model)
+from dist_common import (TOL, DistributedPipe, check_grads, data, main, model,  # noqa: E402
+                         tied_model)
 
 AOT_EAGER = {"backend": "aot_eager"}  # eager kernels: exact, and quick to compile
 

@@ -1,4 +1,4 @@
-"""``examples/train_elastic.py`` as ``tests/test_elastic.py`` runs it under torchrun: the same
+"""``examples/train_elastic.py`` as ``tests/runtime/test_elastic.py`` runs it under torchrun: the same
 training, a failure injected into one rank on the job's first attempt, and each rank's final
 state written as a digest.
 

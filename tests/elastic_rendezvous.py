@@ -1,4 +1,4 @@
-"""One attempt's rendezvous, as ``tests/test_elastic.py`` runs it under the agent's store: build
+"""One attempt's rendezvous, as ``tests/runtime/test_elastic.py`` runs it under the agent's store: build
 the default process group with fastpipe's ``init_process_group``, all-reduce the ranks' numbers
 over gloo, print ``RESULT <sum>``, and with the argument ``exit`` end as the ranks of a failed
 attempt do (no clean shutdown)."""

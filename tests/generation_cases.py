@@ -13,7 +13,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_cases import DistributedPipe, main  # noqa: E402
+from dist_common import DistributedPipe, main  # noqa: E402
 
 VOCAB = 64
 

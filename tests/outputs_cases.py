@@ -1,6 +1,6 @@
 """Models that return their own loss, on every rank of a gloo group
 (``dist_launch.launch(..., script='outputs_cases.py')``), and the tiny Hugging Face models and
-batches ``tests/test_outputs.py`` shares: a causal LM (GPT-2), encoder-decoder LMs (BART, T5) and
+batches ``tests/core/test_outputs.py`` shares: a causal LM (GPT-2), encoder-decoder LMs (BART, T5) and
 an encoder with a classification head (BERT), each given ``labels`` padded with ``-100`` and a
 batch that splits into uneven micro-batches."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dist_cases import DistributedPipe, main  # noqa: E402
+from dist_common import DistributedPipe, main  # noqa: E402
 
 VOCAB, SEQ, SIZE = 50, 8, 7  # 7 samples: micro-batches of 2, 2, 2, 1 (chunks=4)
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -181,3 +181,38 @@ def test_pure_schedule_logic_imports_nothing_of_the_runtime():
     wrong = sorted((m, t) for m, targets in EDGES.items() if m.startswith("fastpipe.schedule")
                    for t in targets if not t.startswith("fastpipe.schedule"))
     assert wrong == []
+
+
+def _diagram_layers(text: str) -> List[Set[str]]:
+    """The layers of ARCHITECTURE.md's diagram, bottom first: each line of its first code block
+    is a layer (an indented line continues the one above), named by its leading paths
+    (``fastpipe/x/`` a package, ``x.py`` a module, both relative to ``fastpipe/``)."""
+    block = text.split("```")[1].strip("\n").splitlines()
+    layers: List[Set[str]] = []
+    for line in block:
+        names = set()
+        for token in line.split():
+            if not (token.endswith(".py") or token.endswith("/")):
+                break
+            path = token[len("fastpipe/"):] if token.startswith("fastpipe/") else token
+            dotted = path[:-3] if path.endswith(".py") else path.rstrip("/")
+            dotted = dotted.replace("/", ".")
+            names.add("fastpipe" if dotted == "__init__" else f"fastpipe.{dotted}")
+        if line.startswith(" ") and layers:
+            layers[-1] |= names
+        else:
+            layers.append(names)
+    return layers[::-1]
+
+
+def test_architecture_md_draws_the_layers_this_test_checks():
+    text = open(os.path.join(ROOT, "ARCHITECTURE.md"), encoding="utf-8").read()
+    assert _diagram_layers(text) == [set(layer) for layer in LAYERS]
+
+
+def test_the_diagram_reader_reads_packages_modules_and_continued_lines():
+    text = ("```\nfastpipe/__init__.py  apps/   top\nfastpipe/a.py  b/   two\n"
+            "               c/d.py   more\nfastpipe/errors.py   bottom\n```")
+    assert _diagram_layers(text) == [{"fastpipe.errors"},
+                                     {"fastpipe.a", "fastpipe.b", "fastpipe.c.d"},
+                                     {"fastpipe", "fastpipe.apps"}]

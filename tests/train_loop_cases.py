@@ -16,8 +16,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fastpipe  # noqa: E402
-from dist_cases import (TOL, DistributedPipe, check_full_grads, data, full, main,  # noqa: E402
-                        padded, tied_model, token_loss, tp_plan)
+from dist_common import (TOL, DistributedPipe, check_full_grads, data, full, main,  # noqa: E402
+                         padded, tied_model, token_loss, tp_plan)
 
 LAYOUTS = ("pipeline", "data", "tensor", "fsdp")
 

@@ -215,7 +215,7 @@ def test_mismatched_targets_fail_before_any_backward_on_every_rank(p2p):
 
 
 def test_torchrun_runs_the_example_end_to_end():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = torchrun(os.path.join(root, "examples", "train_gpt.py"),
                    ["--steps", "4", "--batch", "8", "--timeout", "60"], cwd=root)
     assert "median step" in out and "loss nan" not in out

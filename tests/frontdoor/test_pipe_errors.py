@@ -191,7 +191,7 @@ def test_selective_checkpointing_pays_its_imports_at_construction():
         "before = set(sys.modules)\n"
         "pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)\n"
         "print(sorted(m for m in set(sys.modules) - before if 'dynamo' in m))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=env, cwd=root)

@@ -117,7 +117,7 @@ def test_bad_3d_arguments_are_typed_errors_before_any_work():
 @pytest.mark.parametrize("argv", [["--tensor", "2"], ["--tensor", "1", "--schedule", "zb-h1"]])
 def test_torchrun_runs_the_3d_example(argv):
     """examples/train_gpt_3d.py on 4 ranks: pipeline 2 x tensor 2, and pipeline 2 x FSDP 2."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = torchrun(os.path.join(root, "examples", "train_gpt_3d.py"),
                    ["--steps", "3", "--batch", "8", "--timeout", "60", *argv], cwd=root,
                    nproc=4, limit=180)

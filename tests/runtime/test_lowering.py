@@ -14,7 +14,7 @@ from fastpipe.runtime.transport.mailbox import Mailbox
 from fastpipe.schedule import (Comm, CommGroup, CommKind, Schedule, ScheduleError, SkipLink,
                                format_program, get_schedule, lower, run_lockstep)
 from helpers import assert_same_grads, grads_of, reference
-from test_skip import AddX, StashX
+from skip_models import AddX, StashX
 
 
 def test_local_transfers_are_ops_to_the_stage_itself():

@@ -9,8 +9,8 @@ from torch import nn
 import fastpipe
 from dist_launch import assert_all_ok, launch
 from helpers import assert_same_grads, grads_of, mlp, reference
-from test_skip import model_with_skips
-from test_tied import batch as lm_batch, lm, loss_fn as lm_loss
+from skip_models import model_with_skips
+from tied_models import batch as lm_batch, lm, loss_fn as lm_loss
 
 AOT_EAGER = {"backend": "aot_eager"}  # eager kernels through the compiler: exact, quick
 FRONT_DOORS = {

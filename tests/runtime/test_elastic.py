@@ -23,7 +23,7 @@ from fastpipe.runtime.transport import backends
 from fastpipe.runtime.failure.board import Board
 from fastpipe.runtime.failure.liveness import unreachable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 JOB = os.path.join(HERE, "elastic_job.py")
 TRAINING = ["--steps", "8", "--save-every", "3", "--accumulate", "2", "--layers", "2",
             "--dim", "32", "--seq", "8", "--batch", "8", "--chunks", "4", "--warmup", "3",

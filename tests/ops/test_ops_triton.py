@@ -14,7 +14,7 @@ import torch
 import _triton_cases as cases
 
 pytestmark = pytest.mark.triton
-SCRIPT = Path(__file__).with_name("_triton_cases.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "_triton_cases.py"
 TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 

@@ -201,7 +201,7 @@ def _unfused_rms(x, w):
 
 
 # bias_gelu keeps its input as F.gelu does (same activation bytes, plus the bias vector): its
-# saving shows at the module level, see tests/test_nn_fused.py.
+# saving shows at the module level, see tests/ops/test_nn_fused.py.
 @pytest.mark.parametrize("name,fused,unfused", [
     ("bias_dropout_add", lambda x, b, r: ops.bias_dropout_add(x, b, r, 0.1, True),
      lambda x, b, r: F.dropout(x + b, 0.1) + r),
