@@ -33,9 +33,8 @@ from .observe.profiler_ranges import action_range
 from .lowering import Route, is_ready, lowering, skip_links
 from .transport.mailbox import Mailbox
 from .stage import Stage
-from .step import HANDLERS, StepState
+from .step import HANDLERS, Handler, StepState
 
-Handler = Callable[[StepState, Stage, Action], None]
 Rows = Sequence[Sequence[Tuple[Action, Route]]]  # each stage's actions with their routes
 Pending = List[Tuple[Action, Route]]  # the next action of each stage not finished, with its route
 
