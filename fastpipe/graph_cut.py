@@ -8,7 +8,7 @@ module's own parameters and buffers.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from torch import fx
@@ -35,8 +35,7 @@ def _stage_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Nod
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
-        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
-        found = [index[p] for path in paths for p in _prefixes(path) if p in index]
+        found = split_stages_of(node, index)
         if found:
             stage = max(found)
             if stage < current:
@@ -52,6 +51,13 @@ def _stage_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Nod
         raise ValueError(f"split_points names {missing}, which the traced forward never runs "
                          f"(or runs no operation in); choose submodules the forward calls")
     return stage_of
+
+
+def split_stages_of(node: fx.Node, index: Mapping[str, int]) -> list[int]:
+    """The stages of the split points (``index``: module path -> the stage it begins) whose
+    modules ``node`` runs inside, read from its ``nn_module_stack``."""
+    paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    return [index[p] for path in paths for p in _prefixes(path) if p in index]
 
 
 def _prefixes(path: str) -> list[str]:

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import fx
 
+from ..graph_cut import split_stages_of
+
 ROOT = "model"  # the StepModule's attribute holding the model: a prefix of every module path
 
 
@@ -59,17 +61,11 @@ def stage_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> Dict[fx.Node
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
-        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
-        found = [index[p] for path in paths for p in _prefixes(path) if p in index]
+        found = split_stages_of(node, index)
         if found:
             current = max(current, max(found))
         stage_of[node] = current
     return stage_of
-
-
-def _prefixes(path: str) -> List[str]:
-    parts = path.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def cut(gm: fx.GraphModule, split_points: Sequence[str], num_inputs: int) -> Cut:
