@@ -51,6 +51,7 @@ def machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"torch {torch.__version__}, python {platform.python_version()}, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
             f"load average at start {load:.2f}")
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run of at most 8 minutes: build the CUDA extension, run the
 # CUDA tests, pipelines on GPUs (Pipe on cuda:0; DistributedPipe over NCCL where there are 2 or
-# more GPUs), then the GPU benchmarks (quick forms). Each part has its own time limit and log; a
+# more GPUs, with its blocking host reads of device buffers per step: last_step.host_reads, 0 on
+# the grouped transport), then the GPU benchmarks (quick forms). Each part has its own time limit and log; a
 # part that fails or times out is reported and the others still run. Ends with a summary table.
 #
 #   benchmarks/gpu_check.sh            (logs in build/gpu_check/, or $GPU_CHECK_OUT)

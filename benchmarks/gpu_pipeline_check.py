@@ -4,10 +4,12 @@
         one process, ``Pipe`` with two stages on ``cuda:0``, every schedule;
     torchrun --standalone --nproc_per_node=N benchmarks/gpu_pipeline_check.py distributed
         ``DistributedPipe`` over NCCL, one GPU per rank (N <= the GPUs: NCCL cannot put two
-        ranks on one GPU), every schedule on the grouped transport, then step times.
+        ranks on one GPU), every schedule on the grouped transport, then step times and the
+        blocking reads of device buffers per step (``last_step.host_reads``, on every rank).
 
 Each prints one line per schedule (worst relative gradient error, loss error) and fails
-(non-zero exit) on any mismatch beyond fp32 tolerance.
+(non-zero exit) on any mismatch beyond fp32 tolerance, or (distributed) when a step of the
+grouped transport read a device buffer on the host (it should make none: the host runs ahead).
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def distributed_over_nccl() -> None:
                                nn.functional.mse_loss)
         worst = compare(name, loss, ref_loss,
                         [(n, p.grad) for n, p in pipe.named_parameters()], ref)
-        times = []
+        times, reads = [], [pipe.last_step.host_reads]
         for _ in range(10):
             pipe.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
@@ -95,10 +97,16 @@ def distributed_over_nccl() -> None:
                             nn.functional.mse_loss)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+            reads.append(pipe.last_step.host_reads)
         step = sorted(times)[len(times) // 2]
+        every = [None] * world
+        dist.all_gather_object(every, reads)
         if rank == 0:
             print(f"DistributedPipe NCCL x{world}, {name:12s} v={v}: exact (worst relative "
-                  f"error {worst:.1e}), median step {step * 1e3:.2f} ms", flush=True)
+                  f"error {worst:.1e}), median step {step * 1e3:.2f} ms, host reads per step "
+                  f"(first, then steady, per rank) {[(r[0], max(r[1:])) for r in every]}",
+                  flush=True)
+        assert all(n == 0 for r in every for n in r), f"{name}: host reads per step {every}"
     dist.destroy_process_group()
 
 

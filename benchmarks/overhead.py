@@ -11,6 +11,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+
+# One OpenMP/MKL thread for every thread of every runner, set before torch loads: the count of
+# torch.set_num_threads reaches only threads torch starts itself, and a runner's own worker
+# threads (torchgpipe's) would otherwise run every kernel on all cores and spin-wait between them,
+# which measures the machine's load rather than the pipeline. fastpipe's workers re-apply the
+# caller's count themselves. Run with OMP_NUM_THREADS=<cores> to see the difference.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import torch
 from torch import nn

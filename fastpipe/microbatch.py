@@ -29,6 +29,8 @@ def batch_size(inputs: Any, *, argument: str = "inputs") -> int:
     Raises ``ValueError`` naming ``argument`` when there is no batched tensor or when the
     tensors disagree on their batch size.
     """
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 1:
+        return inputs.shape[0]  # the common case, without the pytree walk
     leaves, _ = pytree.tree_flatten_with_path(inputs)
     sizes = {pytree.keystr(path): leaf.shape[0] for path, leaf in leaves if _is_batched(leaf)}
     if not sizes:

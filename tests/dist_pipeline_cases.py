@@ -210,19 +210,26 @@ def variable_shapes(schedule: str = "1f1b") -> Dict:
     plain = seq_model()
     pipe = DistributedPipe(seq_model(), chunks=4, schedule=schedule, balance=[3, 3], timeout=30)
     for step, (batch, length) in enumerate([(13, 7), (10, 5), (13, 9), (7, 7)]):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(batch, length, WIDTH, generator=g), torch.randn(batch, 4, generator=g)
-        sizes = [len(c) for c in torch.chunk(torch.arange(batch), 4)]
-        plain.zero_grad(set_to_none=True)
-        ref_loss = sum(seq_loss(plain(xi), yi) * (len(xi) / batch)
-                       for xi, yi in zip(x.split(sizes), y.split(sizes)))
-        ref_loss.backward()
-        ref = {n: p.grad.clone() for n, p in plain.named_parameters()}
-        pipe.zero_grad(set_to_none=True)
-        loss = pipe.train_step(x, y, seq_loss)
-        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-        check_grads(pipe, ref, f"step {step} (batch {batch}, length {length})")
+        seq_step_matches(plain, pipe, step, batch, length, "")
     return {"ok": True}
+
+
+def seq_step_matches(plain: nn.Module, pipe: DistributedPipe, step: int, batch: int,
+                     length: int, label: str) -> None:
+    """One training step of ``pipe`` on sequences of ``length`` (4 micro-batches) gives the
+    loss and gradients of ``plain`` looping over the same micro-batches."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(batch, length, WIDTH, generator=g), torch.randn(batch, 4, generator=g)
+    sizes = [len(c) for c in torch.chunk(torch.arange(batch), 4)]
+    plain.zero_grad(set_to_none=True)
+    ref_loss = sum(seq_loss(plain(xi), yi) * (len(xi) / batch)
+                   for xi, yi in zip(x.split(sizes), y.split(sizes)))
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in plain.named_parameters()}
+    pipe.zero_grad(set_to_none=True)
+    loss = pipe.train_step(x, y, seq_loss)  # the first rank's loss came with a gradient
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    check_grads(pipe, ref, f"{label}step {step} (batch {batch}, length {length})")
 
 
 def process_groups() -> Dict:

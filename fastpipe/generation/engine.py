@@ -42,6 +42,11 @@ class Unrolled:
         self.stream = getattr(base, "stream", None)
         self.skips = None
 
+    @property
+    def plain(self) -> bool:
+        """Whether :meth:`context` enters nothing (the base stage's answer)."""
+        return bool(getattr(self.base, "plain", False))
+
     def context(self) -> Any:
         return self.base.context()
 

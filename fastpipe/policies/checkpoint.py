@@ -151,6 +151,30 @@ def _phony() -> torch.Tensor:
     return phony
 
 
+IN_PLACE_ON_INPUT = (
+    "a leaf Variable that requires grad has been used in an in-place operation: a checkpointed "
+    "stage changed its input in place (e.g. nn.ReLU(inplace=True) as a stage's first layer), so "
+    "its recomputation would start from the changed values; use inplace=False in that layer, "
+    "or checkpoint='never'")
+
+
+IN_PLACE_ON_DATA = (
+    "a checkpointed stage changed its input in place (e.g. x.add_(1), or nn.ReLU(inplace=True) "
+    "as its first layer), so its recomputation in backward would start from the changed values "
+    "and give wrong gradients; change a copy (x = x + 1 or x.clone()), or use "
+    "checkpoint='never'")
+
+
+def is_changed(tensors: Sequence[Any], versions: Sequence[int]) -> bool:
+    """Whether any of ``tensors`` was changed in place since ``versions`` were read."""
+    return any(t._version != v for t, v in zip(tensors, versions))
+
+
+def _versions(leaves: Sequence[Any], grad_flags: Sequence[bool]) -> List[int]:
+    """The version counters of the inputs that require grad (an in-place change bumps one)."""
+    return [x._version for x, wants in zip(leaves, grad_flags) if wants]
+
+
 class _Checkpoint(torch.autograd.Function):
     """Forward without keeping activations; backward recomputes the forward, then backprops."""
 
@@ -164,14 +188,21 @@ class _Checkpoint(torch.autograd.Function):
         ctx.constants = [None if is_tensor else x for x, is_tensor in zip(leaves, tensor_mask)]
         ctx.grad_flags = [is_tensor and x.requires_grad for x, is_tensor in zip(leaves, tensor_mask)]
         ctx.save_for_backward(*[x for x, is_tensor in zip(leaves, tensor_mask) if is_tensor])
+        versions = _versions(leaves, ctx.grad_flags), _versions(leaves, tensor_mask)
         with torch.no_grad(), checkpointing():
             output = run(pytree.tree_unflatten(list(leaves), spec))
+        ctx.changed_input = versions[0] != _versions(leaves, ctx.grad_flags)
+        ctx.changed_data = versions[1] != _versions(leaves, tensor_mask)
         out_leaves, out_spec = pytree.tree_flatten(output)
         box.append((out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]))
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+        if ctx.changed_input:
+            raise RuntimeError(IN_PLACE_ON_INPUT)
+        if ctx.changed_data:
+            raise RuntimeError(IN_PLACE_ON_DATA)
         saved = iter(ctx.saved_tensors)
         leaves = []
         for is_tensor, constant, wants_grad in zip(ctx.tensor_mask, ctx.constants, ctx.grad_flags):

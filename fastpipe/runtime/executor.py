@@ -29,9 +29,9 @@ from ..errors import (LossFunctionError, PipelineAborted, PipelineError, Pipelin
                       describe, located)
 from ..schedule import Action, ActionKind, Schedule, SkipLink
 from .failure.timeouts import Waiting, timeout_error
-from .observe.profiler_ranges import action_range
+from .observe.profiler_ranges import action_range, profiling
 from .lowering import Route, is_ready, lowering, skip_links
-from .transport.mailbox import Mailbox
+from .transport.mailbox import Bell, Mailbox
 from .stage import Stage
 from .step import HANDLERS, Handler, StepState
 
@@ -47,7 +47,7 @@ class Worker:
     index: int
     stages: List[int]
     rows: Rows
-    bell: threading.Condition
+    bell: Bell
     run: Callable[[Any, Action], None]
 
 
@@ -58,6 +58,8 @@ class Strategy(Protocol):
     programs (and waits for a missing message), and what surrounds each action."""
 
     watch_every: float  # seconds between the watchdog's looks while the workers run
+    inline: bool  # a single worker may run on the calling thread (no peer to watch for)
+    surrounds_actions: bool  # whether around_action does anything
 
     def check_programs(self, programs: Sequence[Sequence[Action]],
                        groups: Sequence[Sequence[int]]) -> None: ...
@@ -66,7 +68,7 @@ class Strategy(Protocol):
 
     def wire_workers(self, programs: Sequence[Sequence[Action]], step: StepState,
                      schedule: Schedule, groups: Sequence[Sequence[int]]
-                     ) -> List[threading.Condition]: ...
+                     ) -> List[Bell]: ...
 
     def failure_elsewhere(self) -> Optional[str]: ...
 
@@ -109,9 +111,13 @@ class LocalExecutor:
                 f"run the steps of one Pipe one after another")
         try:
             bells = self.strategy.wire_workers(programs, step, schedule, self.groups)
-            jobs = [self._pool.submit(self._work, step, Worker(
-                w, group, lowered.rows, bells[w], functools.partial(self._run_action, step, w)))
-                for w, group in enumerate(self.groups)]
+            workers = [Worker(w, group, lowered.rows, bells[w],
+                              functools.partial(self._run_action, step, w))
+                       for w, group in enumerate(self.groups)]
+            if len(workers) == 1 and self.strategy.inline:
+                self._work(step, workers[0])  # nothing to overlap with: no thread hand-off
+                return
+            jobs = [self._pool.submit(self._work, step, worker) for worker in workers]
             self._watch(jobs, step)
             futures.wait(jobs, timeout=timeout + 1.0)  # the others stop at their next check
             self._raise_first(jobs, step)
@@ -143,26 +149,32 @@ class LocalExecutor:
             self.strategy.work(step, worker)
 
     def _run_action(self, step: StepState, worker: int, stage: Stage, action: Action) -> None:
+        handler = (step.handlers or self.handlers)[action.kind]
+        if (getattr(stage, "plain", False) and step.recorder is None
+                and not self.strategy.surrounds_actions and not profiling()):
+            self._attempt(step, worker, stage, action, handler)  # the common CPU case
+            return
         with self.strategy.around_action(step, stage, action):
-            step.progress[action.stage] = ("running", action)
-            start = time.perf_counter()
-            try:
-                with stage.context(), action_range(stage, action):
-                    token = step.recorder.begin(stage) if step.recorder else None
-                    (step.handlers or self.handlers)[action.kind](step, stage, action)
-                if step.recorder:
-                    step.recorder.end(stage, action, token)
-            except (PipelineError, LossFunctionError) as error:
-                step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
-                raise
-            except BaseException as error:
-                step.abort.trip(f"stage {action.stage} failed in action {action}: "
-                                f"{describe(error)}")
-                located(error, action, self.rank)
-                raise
-            step.progress[action.stage] = ("finished", action)
-            step.busy[worker] += time.perf_counter() - start
-            step.done()
+            self._attempt(step, worker, stage, action, _Observed(handler))
+
+    def _attempt(self, step: StepState, worker: int, stage: Stage, action: Action,
+                 handler: Handler) -> None:
+        """Run one action's handler, counted; a failure aborts the step, its error located."""
+        step.progress[action.stage] = ("running", action)
+        start = time.perf_counter()
+        try:
+            handler(step, stage, action)
+        except (PipelineError, LossFunctionError) as error:
+            step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
+            raise
+        except BaseException as error:
+            step.abort.trip(f"stage {action.stage} failed in action {action}: "
+                            f"{describe(error)}")
+            located(error, action, self.rank)
+            raise
+        step.progress[action.stage] = ("finished", action)
+        step.busy[worker] += time.perf_counter() - start
+        step.done()
 
     @staticmethod
     def _raise_first(jobs: List["futures.Future[None]"], step: StepState) -> None:
@@ -188,30 +200,51 @@ class LocalExecutor:
 Wait = Callable[[StepState, Worker, Pending, float], None]
 
 
+class _Observed:
+    """A handler run in the stage's stream and compiler settings, in a profiler range, and
+    recorded when the pipe is traced."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+
+    def __call__(self, step: StepState, stage: Stage, action: Action) -> None:
+        with stage.context(), action_range(stage, action):
+            token = step.recorder.begin(stage) if step.recorder else None
+            self.handler(step, stage, action)
+        if step.recorder:
+            step.recorder.end(stage, action, token)
+
+
 def run_when_ready(step: StepState, worker: Worker, wait: Wait) -> None:
     """Run the worker's programs: in each pass over its stages, the next action of every stage
     whose messages have arrived (downstream first: outputs leave the worker sooner); when none
     can move, ``wait(step, worker, pending, deadline)`` until one can, or fail."""
-    rows, stages = worker.rows, worker.stages
-    cursors = {s: 0 for s in stages}
-    order = list(reversed(stages))
-    deadline = time.monotonic() + step.config.timeout
-    while any(cursors[s] < len(rows[s]) for s in stages):
+    rows, stages, run = worker.rows, worker.stages, worker.run
+    order = [rows[s] for s in reversed(stages)]
+    cursors = [0] * len(order)
+    left = sum(len(row) for row in order)
+    models = step.config.stages
+    timeout = step.config.timeout
+    deadline = time.monotonic() + timeout
+    abort = step.abort
+    while left:
         ran = False
-        if step.abort.reason is not None:
-            raise PipelineAborted(f"worker of stages {stages} stopped because "
-                                  f"{step.abort.reason}")
-        for s in order:
-            if cursors[s] < len(rows[s]):
-                action, route = rows[s][cursors[s]]
-                if is_ready(step, route):
-                    worker.run(step.config.stages[route.virtual_stage], action)
-                    cursors[s] += 1
+        for i, row in enumerate(order):
+            cursor = cursors[i]
+            if cursor < len(row):
+                action, route = row[cursor]
+                if not route.waits or is_ready(step, route):
+                    if abort.reason is not None:  # before every action: stop at once
+                        raise PipelineAborted(f"worker of stages {stages} stopped because "
+                                              f"{abort.reason}")
+                    run(models[route.virtual_stage], action)
+                    cursors[i] = cursor + 1
+                    left -= 1
                     ran = True
         if ran:
-            deadline = time.monotonic() + step.config.timeout
+            deadline = time.monotonic() + timeout
         else:
-            wait(step, worker, [rows[s][cursors[s]] for s in stages if cursors[s] < len(rows[s])],
+            wait(step, worker, [row[c] for row, c in zip(order, cursors) if c < len(row)][::-1],
                  deadline)
 
 
@@ -220,6 +253,8 @@ class InProcess:
     that runs it, and a worker with nothing ready sleeps on its bell."""
 
     watch_every = 1.0
+    inline = True
+    surrounds_actions = False
 
     def check_programs(self, programs: Sequence[Sequence[Action]],
                        groups: Sequence[Sequence[int]]) -> None:
@@ -234,12 +269,14 @@ class InProcess:
 
     def wire_workers(self, programs: Sequence[Sequence[Action]], step: StepState,
                      schedule: Schedule, groups: Sequence[Sequence[int]]
-                     ) -> List[threading.Condition]:
+                     ) -> List[Bell]:
         """Give every virtual stage a mailbox ringing the bell of the worker that runs it."""
-        bells = [threading.Condition() for _ in groups]
+        bells = [Bell() for _ in groups]
         worker_of = {s: w for w, group in enumerate(groups) for s in group}
-        step.mailboxes = [Mailbox(bells[worker_of[schedule.stage_of(v)[0]]])
-                          for v in range(len(step.config.stages))]
+        step.mailboxes = [None] * len(step.config.stages)
+        for stage, chunks in enumerate(schedule.placement):
+            for virtual_stage in chunks:
+                step.mailboxes[virtual_stage] = Mailbox(bells[worker_of[stage]])
         for bell in bells:
             step.abort.register(bell)
         step.progress = [("not started", None)] * len(programs)
@@ -262,18 +299,22 @@ def _sleep(step: StepState, worker: Worker, waiting: Pending, deadline: float) -
     """Wait until a message arrives for one of the worker's stages, or fail."""
     pending = [action for action, _ in waiting]
     with worker.bell:
-        while True:
-            if step.abort.reason is not None:
-                first = pending[0]
-                raise PipelineAborted(
-                    f"stage {first.stage} stopped waiting for the input of {first} "
-                    f"(micro-batch {first.microbatch}) because {step.abort.reason}")
-            if any(is_ready(step, route) for _, route in waiting):
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise _timeout(step, pending)
-            worker.bell.wait(remaining)
+        worker.bell.sleepers += 1  # before looking: a put from now on rings (see Mailbox)
+        try:
+            while True:
+                if step.abort.reason is not None:
+                    first = pending[0]
+                    raise PipelineAborted(
+                        f"stage {first.stage} stopped waiting for the input of {first} "
+                        f"(micro-batch {first.microbatch}) because {step.abort.reason}")
+                if any(is_ready(step, route) for _, route in waiting):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _timeout(step, pending)
+                worker.bell.wait(remaining)
+        finally:
+            worker.bell.sleepers -= 1
 
 
 def _timeout(step: StepState, pending: List[Action]) -> PipelineTimeout:

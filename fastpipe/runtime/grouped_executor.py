@@ -6,7 +6,9 @@ compute actions and, between them, communication groups
 rank waits in a :class:`~fastpipe.runtime.transport.grouped.Stash` until its group; a group's
 receives are finished just before the first action they feed, so the next group's transfers
 overlap the compute. On a GPU the groups run on a communication stream ordered against the local
-stages' streams by CUDA events.
+stages' streams by CUDA events, and the host waits only for the headers, which come over the
+side channel (gloo, CPU tensors): it never reads a device buffer, so it runs ahead of the GPU
+(``pipe.last_step.host_reads`` counts such reads: 0 here).
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ class GroupedExecutor(RankExecutor):
                  after_action: Optional[AfterAction] = None,
                  skips: Sequence[SkipLink] = ()) -> None:
         super().__init__(topology, board, after_action, skips)
-        self.exchange = GroupedExchange(self.transport, topology.stage, self._ranks, self.sends)
+        self.exchange = GroupedExchange(self.transport, self.side, topology.stage, self._ranks,
+                                        self.sends)
         self._program: Tuple[Op, ...] = ()
         self._learned: Optional[CommGroup] = None  # the group taken to learn the step's size
         self._comm_stream: Optional[Any] = None  # CUDA: where exchanges are posted
@@ -133,7 +136,9 @@ class GroupedExecutor(RankExecutor):
     def _finish(self, step: StepState, posted: Posted, action: Optional[Action]) -> List[Header]:
         """Wait for a posted group and deliver what it brought (on a GPU, the local stages'
         streams then wait for the communication stream: CUDA events, no host sync); errors
-        name this rank and the action the group feeds."""
+        name this rank and the action the group feeds. The host's waits are all on gloo works
+        (the side channel's; on the CPU the data's too), which report only through a wait
+        bounded by the deadline (see failure.waits); a notice ends them early."""
         group = posted.group
         feeds = (f" (for action {action}, micro-batch {action.microbatch})"
                  if action is not None else "")
@@ -143,9 +148,8 @@ class GroupedExecutor(RankExecutor):
         def wait(work: Any, what: str) -> None:
             waiting = Waiting(f"{what}{feeds}", step.config.timeout, rank=self.rank,
                               stage=self.topology.stage, action=action, peers=peers)
-            wait_until(work, waiting, self.board, deadline,
-                       blocking=self.topology.device.type == "cpu",  # gloo: see failure.waits
-                       stopped=lambda: step.abort.reason, longest_pause=5e-4)
+            wait_until(work, waiting, self.board, deadline, blocking=True,
+                       stopped=lambda: step.abort.reason)
 
         try:
             with self.peers_named(f"running the exchange {group}"), \

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -25,7 +24,8 @@ from .executor import LocalExecutor, Worker
 from .failure.board import Board
 from .failure.waits import CHECK_EVERY
 from .step import StepState
-from .transport.mailbox import Mailbox
+from .transport import backends
+from .transport.mailbox import Bell, Mailbox
 from .transport.p2p import Channels, SendLog, StepInfo, Transport, TransportError, send_failure
 from .transport.wire import Header
 
@@ -51,6 +51,8 @@ class RankExecutor:
     ``learn_microbatches``, ``expect``, ``work`` and the mailbox of a remote stage."""
 
     watch_every = CHECK_EVERY  # the watchdog reads the failure board this often
+    inline = False  # the watchdog must read the board while the worker waits on peers
+    surrounds_actions = True  # the liveness record, the after-action hook
 
     def __init__(self, topology: Topology, board: Board,
                  after_action: Optional[AfterAction] = None,
@@ -66,7 +68,8 @@ class RankExecutor:
         self.sends = SendLog()
         self._notices = SendLog()  # failure notices, never waited for
         self._ranks = dist.get_process_group_ranks(topology.group)  # by physical stage
-        self._bell = threading.Condition()
+        self.side = backends.side_channel(topology.group)  # gloo: headers, notices (CPU)
+        self._bell = Bell()
         self._local = LocalExecutor([[topology.stage]], strategy=self, rank=topology.rank)
 
     # ---------------------------------------------------------------- the transport's part
@@ -92,11 +95,12 @@ class RankExecutor:
     def wire(self, step: StepState, schedule: Schedule) -> None:
         """Give every virtual stage a mailbox: local ones for this rank's stages, the
         transport's for the others'."""
-        bell = threading.Condition()
+        bell = Bell()
         step.mailboxes = [Mailbox(bell) if self.topology.local(v) else self._remote_mailbox(v)
                           for v in range(schedule.num_virtual_stages)]
         step.abort.register(bell)
         self._bell = bell
+        self.transport.reads.count = 0  # the step's reads of device buffers start here
 
     def run(self, programs: Sequence[Sequence[Action]], step: StepState,
             schedule: Schedule) -> None:
@@ -106,6 +110,7 @@ class RankExecutor:
             with self.peers_named("running the step"):
                 self._local.run(programs, step, schedule)
                 self._flush_sends(step.config.timeout)
+            step.host_reads = self.transport.reads.count
             self._doing("finished its actions")
         except PipelineError as error:
             culprit = getattr(error, "culprit", None)
@@ -130,13 +135,12 @@ class RankExecutor:
 
     def fail(self, reason: str) -> None:
         """Tell every rank: post ``reason`` on the board, and send a failure notice to every
-        other rank of the pipeline (any of them may be blocked on a message from this one)."""
+        other rank of the pipeline (any of them may be blocked on a message from this one),
+        over the side channel (gloo, CPU tensors, also beside NCCL)."""
         self.board.publish(reason)
-        if self.topology.device.type != "cpu":  # NCCL pairs by order: the board alone tells
-            return
         for peer in [r for r in self._ranks if r != self.topology.rank]:
             try:
-                send_failure(peer, self.topology.group, self.topology.device, reason,
+                send_failure(peer, self.side, torch.device("cpu"), reason,
                              self._notices)  # kept: a dropped send may never leave
             except Exception:  # noqa: BLE001 - a peer that is gone needs no notice
                 pass
@@ -165,7 +169,7 @@ class RankExecutor:
 
     def wire_workers(self, programs: Sequence[Sequence[Action]], step: StepState,
                      schedule: Schedule, groups: Sequence[Sequence[int]]
-                     ) -> List[threading.Condition]:
+                     ) -> List[Bell]:
         """The mailboxes are wired (:meth:`wire`): only the progress record is new."""
         step.progress = [("not started" if s == self.topology.stage else "on another rank", None)
                          for s in range(len(programs))]

@@ -45,6 +45,11 @@ class Stage:
         self.call: Callable[[Any], Any] = module
         self.skips: Optional[Any] = None  # a fastpipe.skip.exchange.StageSkips, when it has skips
 
+    @property
+    def plain(self) -> bool:
+        """Whether :meth:`context` enters nothing (a CPU stage, not compiled)."""
+        return self.stream is None and not self.compiled
+
     def context(self) -> ContextManager[Any]:
         """What every action of this stage runs in: the stream (CUDA) in which its work is
         issued (a no-op on the CPU) and, for a compiled stage, the compiler's settings."""
@@ -56,6 +61,8 @@ class Stage:
     def run(self, inputs: Any, seed: int) -> Any:
         """The stage's layers on one micro-batch, drawing random numbers from ``seed`` (so a
         recomputation with the same seed draws the same ones)."""
+        if self.rng.stochastic is False and self.deferred is None and not self._keeps_running:
+            return self.call(inputs)  # nothing to surround the layers with
         with self._keep_running_stats(), (
                 self.deferred.deferring() if self.deferred else _NO_STREAM):
             if self.rng.stochastic is False:  # probed this step: draws no random numbers

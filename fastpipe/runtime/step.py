@@ -9,6 +9,7 @@ lowered programs (:mod:`fastpipe.runtime.lowering`): each message is keyed by it
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Mapping, Optional,
                     Sequence, Tuple)
@@ -16,8 +17,8 @@ from typing import (TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Mappi
 import torch
 
 from ..policies.amp import autocast_regions, autocast_state, scale_loss
-from ..policies.checkpoint import (backward_pairs, checkpointing, grad_pairs, microbatch_seed,
-                                   recomputing)
+from ..policies.checkpoint import (IN_PLACE_ON_DATA, backward_pairs, checkpointing, grad_pairs,
+                                   is_changed, microbatch_seed, recomputing)
 from ..policies import offload
 from ..errors import LossFunctionError
 from ..model_loss import Bound as ModelLossStep
@@ -27,7 +28,7 @@ from ..schedule import Action, ActionKind
 from .transport.device_copy import land, ship
 from .lowering import Place, Route
 from .transport.mailbox import Abort, Mailbox
-from .transport.message import TENSOR, as_leaf, flatten, post, post_grads, take, unflatten
+from .transport.message import BARE, TENSOR, as_leaf, flatten, post, post_grads, take, unflatten
 from .stage import Stage
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class StepConfig:
     def last(self) -> int:
         """The index of the last (virtual) stage."""
         return len(self.stages) - 1
+
+
+_worker_threads = threading.local()  # the intra-op thread count set on this thread
 
 
 @dataclass
@@ -83,14 +87,21 @@ class StepState:
     peak_inflight: Dict[int, int] = field(default_factory=dict)
     grad_norm: Optional[float] = None  # the whole model's gradient norm, when measured
     skipped: bool = False  # the optimizer step was skipped (non-finite, or the scaler's verdict)
+    host_reads: Optional[int] = None  # a rank's blocking reads of device buffers (transport)
 
     def __post_init__(self) -> None:
         self.mailboxes: List[Mailbox] = []  # wired by the executor
         self.routes: Dict[Place, Route] = {}  # each action's messages, set by the executor
         self.autocast = autocast_state(stage.device.type for stage in self.config.stages)
+        self.intra_op_threads = torch.get_num_threads()
 
     def ambient(self) -> contextlib.ExitStack:
-        """Re-enter, on a worker thread, the caller's thread-local grad mode and autocast state."""
+        """Re-enter, on a worker thread, the caller's thread-local grad mode and autocast state,
+        and its intra-op thread count: OpenMP and MKL keep that count per thread, and a thread
+        torch did not start would otherwise use every core (and spin-wait on them)."""
+        if getattr(_worker_threads, "count", None) != self.intra_op_threads:
+            torch.set_num_threads(self.intra_op_threads)
+            _worker_threads.count = self.intra_op_threads
         stack = contextlib.ExitStack()
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         stack.enter_context(autocast_regions(self.autocast))
@@ -123,6 +134,12 @@ def _stage_input(step: StepState, stage: Stage, route: Route,
     else:
         message = take(step, stage, route.input)
         spec, flags = message.spec, message.requires_grad
+        if spec is BARE:  # a single tensor: no pytree round trip
+            tensor = message.parcel.tensors[0]
+            if not step.train:
+                return tensor, []
+            tensor = as_leaf(tensor, flags[0])
+            return tensor, [tensor]
         moved = iter(message.parcel.tensors)
         leaves = [next(moved) if x is TENSOR else x for x in message.constants]
     if not step.train:
@@ -140,6 +157,11 @@ class Held:
     inputs: Any = None  # the whole input, kept only to recompute a checkpointed forward
     outputs: List[torch.Tensor] = field(default_factory=list)  # tensors to backprop from
     grads: List[Optional[torch.Tensor]] = field(default_factory=list)  # kept for W
+    versions: List[int] = field(default_factory=list)  # of ``inputs``' tensors, when kept
+
+
+def _input_tensors(inputs: Any) -> List[torch.Tensor]:
+    return [x for x in flatten(inputs)[0] if isinstance(x, torch.Tensor)]
 
 
 def _loss(step: StepState, stage: Stage, mb: int, output: Any) -> torch.Tensor:
@@ -225,7 +247,8 @@ def forward_action(step: StepState, stage: Stage, action: Action) -> None:
     if checkpoint:  # keep the input only; backward recomputes the forward
         with torch.no_grad(), checkpointing():
             output, _ = _skips_out(step, stage, mb, stage.run(inputs, seed), True)
-        held = Held(boundary, inputs=inputs)
+        held = Held(boundary, inputs=inputs,
+                    versions=[t._version for t in _input_tensors(inputs)])
         if stage.index == step.config.last:
             with torch.no_grad():
                 step.losses[mb] = _loss(step, stage, mb, output).detach()
@@ -250,6 +273,8 @@ def _skips_out(step: StepState, stage: Stage, mb: int, output: Any,
 
 
 def _recompute(step: StepState, stage: Stage, mb: int, held: Held) -> None:
+    if is_changed(_input_tensors(held.inputs), held.versions):  # would recompute from them
+        raise RuntimeError(f"stage {stage.index}, micro-batch {mb}: {IN_PLACE_ON_DATA}")
     with torch.enable_grad(), recomputing():
         output = stage.run(held.inputs, microbatch_seed(step.seed, stage.index, mb))
         output, stashed = stage.skips.split(output) if stage.skips is not None else (output, [])

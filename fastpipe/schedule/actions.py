@@ -34,6 +34,11 @@ class ActionKind(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    # The value's own (C) hash, not Enum's Python-level hash of the name: an action kind is
+    # part of the keys the runtime looks up per action. Equal members and strings ("F") hash
+    # alike, as their equality says.
+    __hash__ = str.__hash__
+
 
 F = ActionKind.FORWARD
 B = ActionKind.BACKWARD

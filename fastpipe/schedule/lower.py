@@ -95,6 +95,19 @@ class Comm:
         for name in ("peer", "microbatch", "virtual_stage"):
             check_count(f"Comm.{name}", getattr(self, name), minimum=0)
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: a comm is a mailbox key, looked up per action."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.kind, self.what, self.peer, self.microbatch, self.virtual_stage,
+                           self.skip))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        """Pickled without the cached hash (string hashes differ between processes)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __str__(self) -> str:
         arrow = "->" if self.kind is CommKind.SEND else "<-"
         name = "" if self.skip is None else f"[{self.skip.name}]"

@@ -42,6 +42,12 @@ class StepContext:
     ``threads``: the stages each worker thread ran (CPU stages may share one, and then never
     overlap). ``memory_peak`` and ``memory_limit``: per stage, the peak bytes allocated on its
     device and the device's capacity (recorded for CUDA stages).
+    The hardware the stages ran on: ``devices`` (each physical stage's device), ``cores`` (the
+    CPU cores this process may run on), ``intra_op_threads`` (``torch.get_num_threads()``) and
+    ``load`` (the machine's one-minute load average at the step). ``layer_costs``: a per-layer
+    cost profile in model order (any unit), to split a stage's measured time over its layers.
+    ``step_times``: the seconds of every training step traced in the same block (their spread
+    is the measurement's noise).
     Unknown fields are ``None``; the doctor then skips the advice that needs them.
     """
 
@@ -58,6 +64,12 @@ class StepContext:
     threads: Optional[Tuple[Tuple[int, ...], ...]] = None
     memory_peak: Optional[Tuple[float, ...]] = None
     memory_limit: Optional[Tuple[float, ...]] = None
+    devices: Optional[Tuple[str, ...]] = None
+    cores: Optional[int] = None
+    intra_op_threads: Optional[int] = None
+    load: Optional[float] = None
+    layer_costs: Optional[Tuple[float, ...]] = None
+    step_times: Optional[Tuple[float, ...]] = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``None`` fields left out)."""
@@ -68,7 +80,8 @@ class StepContext:
         """Inverse of :meth:`to_dict`; unknown keys are ignored (newer writers may add some)."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        for key, kind in (("balance", int), ("memory_peak", float), ("memory_limit", float)):
+        for key, kind in (("balance", int), ("memory_peak", float), ("memory_limit", float),
+                          ("devices", str), ("layer_costs", float), ("step_times", float)):
             if values.get(key) is not None:
                 values[key] = tuple(kind(x) for x in values[key])
         for key in ("placement", "threads"):

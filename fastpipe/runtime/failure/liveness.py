@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 BEAT_EVERY = 0.25  # seconds between beats while nothing changes
-MIN_GAP = 0.005  # seconds at least between two writes (a change is written after at most this)
+MIN_GAP = 0.05  # seconds at least between two writes (a change is written after at most this):
+# each write wakes this thread, which then competes for the GIL with the worker running actions
 STALE_AFTER = 1.0  # a rank whose beat count did not move in this long has stopped
 FAILED = "failed"  # the state of a rank whose step failed (it posted why on the board)
 

@@ -10,6 +10,7 @@ functions of what they are given.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -33,7 +34,9 @@ class StepStats:
     traced, whose actions the host only launches. ``grad_norm``: the whole model's gradient
     norm when the step measured it (clipping, or the non-finite check), before clipping;
     ``skipped``: the optimizer step was skipped (a non-finite step under ``nonfinite='skip'``,
-    or a GradScaler's verdict)."""
+    or a GradScaler's verdict). ``host_reads``: on a ``DistributedPipe`` rank, the blocking
+    reads of device buffers its transport made during the step (each one, on a GPU, makes the
+    host wait for the device; 0 on the grouped transport); ``None`` elsewhere."""
 
     samples: int
     step_time: float
@@ -41,6 +44,7 @@ class StepStats:
     stages: int
     grad_norm: Optional[float] = None
     skipped: bool = False
+    host_reads: Optional[int] = None
 
     @property
     def samples_per_second(self) -> float:
@@ -86,7 +90,7 @@ def finish_step(step: StepState, samples: int, started: float, ended: float,
     """The record of a finished training step that ran ``samples`` samples from ``started``
     to ``ended`` (``time.perf_counter()``); ``timeline``: its measured timeline when traced."""
     return StepStats(samples, ended - started, _busy(step, timeline), _local_stages(step),
-                     step.grad_norm, step.skipped)
+                     step.grad_norm, step.skipped, host_reads=step.host_reads)
 
 
 def step_context(step: StepState, samples: int, started: float, ended: float, trace: Any,
@@ -102,6 +106,7 @@ def step_context(step: StepState, samples: int, started: float, ended: float, tr
         step_start=began - origin + offset, step_called=started - origin + offset,
         step_end=ended - origin + offset, action_overhead=_action_overhead(step),
         threads=_threads(shape.devices, step), **_cuda_memory(shape.devices, step),
+        **_hardware(shape.devices),
         schedule=shape.schedule, virtual_stages=shape.virtual_stages, balance=shape.balance,
         samples=samples, checkpoint=shape.checkpoint)
 
@@ -140,6 +145,16 @@ def _cuda_memory(devices: Optional[Tuple[torch.device, ...]],
     return {"memory_peak": tuple(float(torch.cuda.max_memory_allocated(d)) for d in devices),
             "memory_limit": tuple(float(torch.cuda.get_device_properties(d).total_memory)
                                   for d in devices)}
+
+
+def _hardware(devices: Optional[Tuple[torch.device, ...]]) -> Dict[str, Any]:
+    """What the doctor needs to know of the hardware: the stages' devices (when this process
+    runs them all), the cores this process may use, torch's intra-op threads, the load."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"devices": None if devices is None else tuple(str(d) for d in devices),
+            "cores": len(cores) if cores else os.cpu_count(),
+            "intra_op_threads": torch.get_num_threads(), "load": load}
 
 
 def _local_stages(step: StepState) -> int:

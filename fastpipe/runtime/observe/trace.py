@@ -125,12 +125,19 @@ class Trace:
         timeline = self.timelines[step] if self.timelines else self.timeline
         context = self.contexts.get(range(len(self.timelines))[step])
         data = chrome_trace(timeline, meta=None if context is None else {
-            "num_stages": timeline.num_stages, **context.to_dict()})
+            "num_stages": timeline.num_stages, **context.to_dict(), **self._step_times()})
         if merge_with is not None:
             with open(merge_with, encoding="utf-8") as file:
                 data = merge_chrome_traces(data, json.load(file))
         with open(path, "w", encoding="utf-8") as file:
             json.dump(data, file)
+
+    def _step_times(self) -> Dict[str, List[float]]:
+        """Every traced training step's seconds, when there are several (their spread is the
+        noise ``fastpipe.doctor`` weighs its advice against)."""
+        times = [c.step_end - c.step_start for c in self.contexts.values()
+                 if c.step_end is not None and c.step_start is not None]
+        return {"step_times": times} if len(times) > 1 else {}
 
     @property
     def timeline(self) -> Timeline:

@@ -169,6 +169,24 @@ def check_agreement(mine: str, posted: Dict[int, str], me: int) -> None:
                     f"the same arguments (and devices of one type)")
 
 
+_SIDE_CHANNELS: Dict[Any, Any] = {}  # pipeline group -> its gloo twin, made once per process
+
+
+def side_channel(group: Any) -> Any:
+    """The group that carries the transport's host-side messages (headers, metadata, failure
+    notices) as CPU tensors over gloo, so that reading them never waits for a GPU: ``group``
+    itself when it has gloo for CPU tensors (gloo, or ``'cpu:gloo,cuda:nccl'``), else a gloo
+    group of the same ranks, created once (every rank of ``group`` builds its pipe, and so
+    calls this, together; the other ranks of the job take no part)."""
+    if backend_of(group, "cpu") == "gloo":
+        return group
+    if group not in _SIDE_CHANNELS:
+        ranks = dist.get_process_group_ranks(group)
+        _SIDE_CHANNELS[group] = dist.new_group(ranks, backend="gloo",
+                                               use_local_synchronization=True)
+    return _SIDE_CHANNELS[group]
+
+
 def warm_up(group: Any, device: torch.device) -> None:
     """NCCL: create the pipeline group's communicator now, with every rank taking part (its
     first ``batch_isend_irecv`` may involve only some ranks, which NCCL does not allow for the

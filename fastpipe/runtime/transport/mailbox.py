@@ -29,22 +29,35 @@ class Abort:
                 bell.notify_all()
 
 
-class Mailbox:
-    """Values addressed by key to one stage; a put wakes the worker that runs the stage."""
+class Bell(threading.Condition):
+    """A worker's doorbell: a condition that knows whether its worker sleeps on it, so that a
+    message for a worker that is awake (the common case) costs no lock and no notify."""
 
-    def __init__(self, bell: threading.Condition) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleepers = 0  # changed only under the lock, by the worker going to sleep
+
+
+class Mailbox:
+    """Values addressed by key to one stage; a put wakes the worker that runs the stage.
+
+    A put stores first and rings only when the worker sleeps: the worker counts itself as a
+    sleeper under the bell's lock *before* it looks at its mailboxes, so either it sees the new
+    value or the put sees the sleeper and notifies under that lock (no wake-up is lost)."""
+
+    def __init__(self, bell: Bell) -> None:
         self.bell = bell
         self._items: Dict[Hashable, Any] = {}
 
     def put(self, key: Hashable, value: Any) -> None:
-        with self.bell:
-            self._items[key] = value
-            self.bell.notify()
+        self._items[key] = value
+        if self.bell.sleepers:
+            with self.bell:
+                self.bell.notify()
 
     def has(self, key: Hashable) -> bool:
         return key in self._items
 
     def take(self, key: Hashable) -> Any:
         """Remove and return the value under ``key``; the caller checked ``has`` first."""
-        with self.bell:
-            return self._items.pop(key)
+        return self._items.pop(key)

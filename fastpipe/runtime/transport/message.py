@@ -45,6 +45,9 @@ def post(step: Any, dst: int, key: Hashable, value: Any, detach: bool,
     """Ship ``value`` to virtual stage ``dst`` under ``key``. ``differentiable`` marks
     floating-point tensors as wanting a gradient even without a graph (a checkpointed forward
     ran without one)."""
+    if isinstance(value, torch.Tensor):  # the common single-tensor boundary
+        _post_tensor(step, dst, key, value, detach, differentiable)
+        return
     leaves, spec = flatten(value)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     flags = [t.requires_grad or (differentiable and (t.is_floating_point() or t.is_complex()))
@@ -54,6 +57,15 @@ def post(step: Any, dst: int, key: Hashable, value: Any, detach: bool,
     parcel = ship(tensors, step.config.stages[dst].device)
     constants = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
     step.mailboxes[dst].put(key, Message(spec, constants, parcel, flags))
+
+
+def _post_tensor(step: Any, dst: int, key: Hashable, value: torch.Tensor, detach: bool,
+                 differentiable: bool) -> None:
+    """``post`` of a bare tensor, without the pytree round trip."""
+    flag = value.requires_grad or (differentiable
+                                   and (value.is_floating_point() or value.is_complex()))
+    parcel = ship([value.detach() if detach else value], step.config.stages[dst].device)
+    step.mailboxes[dst].put(key, Message(BARE, [TENSOR], parcel, [flag]))
 
 
 def post_grads(step: Any, dst: int, key: Hashable,

@@ -7,8 +7,8 @@ receive op (``Comm``) of the receiver's program; its header carries what rebuild
 The sending side is an :class:`Outbox`, which a stage's handlers see as the mailbox of a remote
 stage: ``put`` ships the message with non-blocking sends. The receiving side is an
 :class:`Inbox` per peer, which keeps the next receive posted ahead of the compute; the rank's
-worker takes messages from it when an action needs them. Every wait has a timeout; a failing rank sends its peers a failure notice in place
-of the next message.
+worker takes messages from it when an action needs them. Every wait has a timeout; a failing
+rank sends its peers a failure notice in place of the next message.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .device_copy import Parcel
 from ..lowering import carries_loss
 from .mailbox import Mailbox
 from .message import BARE, TENSOR, Message
-from .wire import HEADER_LEN, LOSS_DTYPES, Header, Meta, layouts_of, pack, unpack
+from .wire import HEADER_LEN, LOSS_DTYPES, Header, HostReads, Meta, layouts_of, pack, unpack
 
 # fastpipe's tags, apart from a user's own small ones: headers, metadata, payloads. Each is a
 # first-in first-out stream per pair of ranks (gloo matches receives to sends by tag, in order).
@@ -75,7 +75,8 @@ class Channels:
         return comm_from((CommKind.RECV, what, peer, microbatch, virtual_stage, skip))
 
     def name(self, index: int) -> str:
-        """A channel's name in messages: ``act``, ``grad``, ``skip/<name>``, ``skipgrad/<name>``."""
+        """A channel's name in messages: ``act``, ``grad``, ``skip/<name>``,
+        ``skipgrad/<name>``."""
         what, skip = self.channels[index]
         if skip is None:
             return str(what)
@@ -121,14 +122,23 @@ class StepInfo:
         counts = self.token_mean.counts if self.token_mean is not None else {}
         return counts.get(microbatch, -1.0)
 
-    def loss(self, microbatch: int) -> Tuple[Optional[float], torch.dtype]:
-        """The micro-batch's loss as a number and its dtype (``None`` when not known here; a
-        NaN loss is known, and travels as NaN)."""
+    def loss(self, microbatch: int, reads: HostReads) -> Tuple[Optional[float], torch.dtype]:
+        """The micro-batch's loss as a number (a read on the host) and its dtype (``None`` when
+        not known here; a NaN loss is known, and travels as NaN)."""
         value = self.losses.get(microbatch)
         if value is None:
             return None, torch.float32
         dtype = value.dtype if value.dtype in LOSS_DTYPES else torch.float32
-        return float(value), dtype
+        return reads.number(value), dtype
+
+    def loss_tensor(self, microbatch: int, device: torch.device) -> Optional[torch.Tensor]:
+        """The micro-batch's loss as one element on ``device`` in a dtype a header names, read
+        by nobody (``None`` when not known here)."""
+        value = self.losses.get(microbatch)
+        if value is None:
+            return None
+        dtype = value.dtype if value.dtype in LOSS_DTYPES else torch.float32
+        return value.detach().reshape(1).to(device, dtype)
 
 
 @dataclass
@@ -151,6 +161,7 @@ class Transport:
     rank: int  # this process's global rank
     channels: Channels
     info: StepInfo
+    reads: HostReads = field(default_factory=HostReads)  # this step's reads of device buffers
 
 
 class Outbox:
@@ -174,7 +185,7 @@ class Outbox:
         new_meta = self._sent_meta.get(kind) != meta
         meta_data = meta.encode().to(self.device) if new_meta else None
         payload = pack(tensors)
-        loss, loss_dtype = (self.info.loss(mb) if carries_loss(key)
+        loss, loss_dtype = (self.info.loss(mb, self.transport.reads) if carries_loss(key)
                             else (None, torch.float32))
         header = Header(kind, mb, self.virtual_stage,
                         self.info.num_microbatches, self.info.batch_size,
@@ -254,7 +265,7 @@ class Inbox:
         work, buffer, early = self._posted
         self._posted = None
         work.wait(datetime.timedelta(seconds=timeout))
-        header = Header.decode(buffer.cpu())
+        header = Header.decode(self.transport.reads.read(buffer))
         if header.kind == ABORT_KIND:
             raise PeerFailed(self._text(header, timeout))
         if not 0 <= header.kind < len(self.channels) or \
@@ -294,7 +305,7 @@ class Inbox:
     def _text(self, header: Header, timeout: float) -> str:
         data = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=self.device)
         self._recv(data, META_TAG, timeout)
-        return data.cpu().numpy().tobytes().decode(errors="replace")
+        return self.transport.reads.read(data).numpy().tobytes().decode(errors="replace")
 
     def _message(self, header: Header, early: Optional[Tuple[Any, torch.Tensor]],
                  timeout: float) -> Tuple[Comm, Message]:
@@ -302,7 +313,7 @@ class Inbox:
         if header.meta_nbytes:
             data = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=self.device)
             self._recv(data, META_TAG, timeout)
-            self._meta[where] = Meta.decode(data.cpu())
+            self._meta[where] = Meta.decode(self.transport.reads.read(data))
         meta = self._meta.get(where)
         if meta is None:
             raise ValueError("a message arrived without its metadata (the sender's cache and "

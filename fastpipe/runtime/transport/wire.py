@@ -5,7 +5,8 @@ Every message (an activation or a gradient of one micro-batch) travels as:
 1. a header of ``HEADER_LEN`` int64 values: what the message is (kind, micro-batch, the
    receiving stage), the step's micro-batch count and batch size, the byte counts of what
    follows, and (for gradients) the micro-batch's loss, so every rank learns the step's loss
-   from the gradients it receives, without a collective;
+   from the gradients it receives, without a collective (the grouped transport sends the loss
+   tensor itself next to the payload, ``attached``: its value never has to reach the host);
 2. the metadata (tensor dtypes and shapes, the pytree structure, non-tensor leaves), pickled,
    only when it differs from the previous message of the same kind to the same stage: the
    receiver caches it, so
@@ -14,7 +15,9 @@ Every message (an activation or a gradient of one micro-batch) travels as:
 3. the payload, as bytes: the single tensor's own memory, or several tensors packed into one
    byte buffer (one transfer instead of many).
 
-Pure functions on tensors and bytes, no communication: tested without processes.
+Pure functions on tensors and bytes, no communication: tested without processes. A transport
+reads a buffer of its device on the host only through :class:`HostReads`, which counts the
+reads (``pipe.last_step.host_reads``).
 """
 from __future__ import annotations
 
@@ -33,12 +36,14 @@ HEADER_LEN = 12
 LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 NO_LOSS = 255  # the loss dtype code of a header that carries no loss (any loss, NaN included,
 # travels with its own dtype code: a NaN loss is a loss, never "unknown")
+ATTACHED = 64  # added to the loss dtype code: the loss travels as its own part, not in the header
 ALIGN = 16  # bytes: every packed tensor starts at a multiple (any dtype can view it)
 
 
 @dataclass(frozen=True)
 class Header:
-    """What one message carries; ``meta_nbytes == 0`` means "same metadata as last time"."""
+    """What one message carries; ``meta_nbytes == 0`` means "same metadata as last time";
+    ``attached``: the loss (of ``loss_dtype``) follows the payload as its own part."""
 
     kind: int
     microbatch: int
@@ -51,14 +56,24 @@ class Header:
     loss: Optional[float] = None  # gradients carry their micro-batch's loss to every rank
     loss_dtype: torch.dtype = torch.float32
     count: float = -1.0  # with (loss_sum, count) losses: the micro-batch's count (else -1)
+    attached: bool = False
+
+    @property
+    def loss_nbytes(self) -> int:
+        """Bytes of the attached loss part (0: none)."""
+        return self.loss_dtype.itemsize if self.attached else 0
+
+    def _loss_code(self) -> int:
+        if self.loss is None and not self.attached:
+            return NO_LOSS
+        return LOSS_DTYPES.index(self.loss_dtype) + (ATTACHED if self.attached else 0)
 
     def encode(self) -> torch.Tensor:
         return torch.tensor([MAGIC, self.kind, self.microbatch, self.dst_stage,
                              self.num_microbatches, self.batch_size, self.meta_nbytes,
                              self.payload_nbytes, self.step,
                              _bits(math.nan if self.loss is None else self.loss),
-                             NO_LOSS if self.loss is None else LOSS_DTYPES.index(self.loss_dtype),
-                             _bits(self.count)],
+                             self._loss_code(), _bits(self.count)],
                             dtype=torch.int64)
 
     @classmethod
@@ -69,10 +84,30 @@ class Header:
                              f"schedule or another library uses the same tags")
         if raw[10] == NO_LOSS:
             return cls(*raw[1:9], count=_float(raw[11]))
-        if not 0 <= raw[10] < len(LOSS_DTYPES):
+        attached, code = raw[10] >= ATTACHED, raw[10] % ATTACHED
+        if not 0 <= raw[10] < 2 * ATTACHED or code >= len(LOSS_DTYPES):
             raise ValueError(f"corrupt pipeline message header {raw}: unknown loss dtype code")
-        return cls(*raw[1:9], loss=_float(raw[9]), loss_dtype=LOSS_DTYPES[raw[10]],
-                   count=_float(raw[11]))
+        return cls(*raw[1:9], loss=None if attached else _float(raw[9]),
+                   loss_dtype=LOSS_DTYPES[code], count=_float(raw[11]), attached=attached)
+
+
+class HostReads:
+    """The one way a transport reads a buffer of its device on the host (``.cpu()``, or a
+    number): on a GPU each read makes the host wait for the work queued before it, so the host
+    cannot run ahead. Every read is counted, on any device, so a CPU run reports what the same
+    code path does on a GPU (``pipe.last_step.host_reads``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the CPU (counted)."""
+        self.count += 1
+        return tensor.cpu()
+
+    def number(self, tensor: torch.Tensor) -> float:
+        """A one-element tensor's value (counted)."""
+        return float(self.read(tensor))
 
 
 def _bits(value: float) -> int:
