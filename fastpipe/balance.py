@@ -197,6 +197,7 @@ def balance_by_time(
 ) -> list[int]:
     """torchgpipe's ``balance_by_time``: balance by forward+backward time per layer on
     ``sample`` (a micro-batch), run on ``device`` (default: CUDA when present, else the CPU)."""
+    _check_no_grads(module)
     return by_time(partitions, module, sample, timeout=timeout, device=default_device(device))
 
 
@@ -210,11 +211,25 @@ def balance_by_size(
     device: torch.device | str | None = None,
 ) -> list[int]:
     """torchgpipe's ``balance_by_size``: balance by memory per layer, counting
-    ``param_scale`` x parameter bytes plus the bytes each layer keeps for backward (and its
-    output) on one micro-batch of ``input`` (the first ``ceil(batch / chunks)`` samples),
-    run on ``device`` (default: CUDA when present, else the CPU). The module is untouched."""
+    ``param_scale`` x parameter bytes plus the bytes each layer keeps for backward on one
+    micro-batch of ``input`` (the first ``ceil(batch / chunks)`` samples), run on ``device``
+    (default: CUDA when present, else the CPU). The bytes are those the activation estimate
+    (:func:`fastpipe.memory.estimate_activation_peaks`) profiles: a storage several layers save
+    counts once, for the first that saves it. The module is untouched."""
+    _check_no_grads(module)
     _check_partitions(partitions, check_sequential(module))
     check_positive("chunks", chunks, integer=True)
     sizes = profile_saved_sizes(module, first_microbatch(input, chunks),
                                 param_scale=param_scale, device=default_device(device))
     return solve(sizes, partitions)
+
+
+def _check_no_grads(module: Any) -> None:
+    """torchgpipe's check before profiling: no parameter may hold a gradient yet."""
+    named = getattr(module, "named_parameters", None)
+    held = [name for name, p in named() if p.grad is not None] if callable(named) else []
+    if held:
+        more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+        raise ValueError(f"some parameter already has gradient ({held[0]!r}{more}); the "
+                         f"balancers profile the layers' own backward, so clear the gradients "
+                         f"first with module.zero_grad(set_to_none=True)")

@@ -30,6 +30,7 @@ __all__ = [
     "profile_saved_sizes",
     "profile_sizes",
     "profile_times",
+    "saved_storages",
 ]
 
 
@@ -40,29 +41,59 @@ def profile_saved_sizes(
     param_scale: float = 2.0,
     device: torch.device | str | None = None,
 ) -> list[float]:
-    """Bytes per layer: ``param_scale`` x parameter bytes + the distinct storages of the
-    tensors autograd saves for the layer's backward and of its output, on ``sample``.
+    """Bytes per layer: ``param_scale`` x parameter bytes + the storages autograd saves for
+    backward on ``sample`` that the layer saves first (see :func:`saved_storages`).
 
-    Each layer runs forward with grad, in its own training mode, on a deep copy on ``device``
-    (default: where the layer lives); the RNG state is restored afterwards.
+    A storage saved by several layers (a layer's output that the next one saves as its input,
+    views of one tensor) counts once, for the first layer that saves it, so the bytes of
+    consecutive layers add up to what a stage holding them keeps for one micro-batch; a stage's
+    first layer may also save its input, which the previous stage counted (the estimate,
+    :func:`fastpipe.memory.estimate_activation_peaks`, adds it per stage). ``sample`` is taken
+    as an activation that requires grad (as every stage's input but the first), as torchgpipe
+    profiled.
     """
     check_sequential(module)
     check_positive("param_scale", param_scale, allow_zero=True)
-    sizes, x = [], sample
-    with _preserved_rng(module, sample, device), torch.enable_grad(), layerwise():
-        for layer in module:
+    seen: set[int] = set()
+    sizes = []
+    profiled = saved_storages(list(module), sample, device=device, grad_input=True)
+    for layer, saved in zip(module, profiled):
+        own = sum(nbytes for key, nbytes in saved.items() if key not in seen)
+        seen.update(saved)
+        params = sum(_nbytes(p) for p in layer.parameters())
+        sizes.append(param_scale * params + own)
+    return sizes
+
+
+def saved_storages(
+    layers: list[nn.Module], sample: Any, *, device: torch.device | str | None = None,
+    grad_input: bool = False,
+) -> list[dict[int, int]]:
+    """Per layer, the storages (data pointer -> bytes) of the tensors autograd saves for its
+    backward, parameters excluded, when ``layers`` run one after another on ``sample``.
+
+    One pass with grad, each layer a deep copy in its own training mode on ``device`` (default:
+    where it lives), skip connections in their layer-wise frame, the RNG state restored; the
+    graph stays connected (inputs keep their ``requires_grad``, as in a pipeline's stage) and
+    every saved tensor alive until the end, so a storage has one key however many layers or
+    views save it. Storages of ``sample`` (the caller's batch) keep their keys. ``grad_input``:
+    ``sample``'s floating-point tensors require grad (a later stage's input); else they are
+    taken as they are (a pipeline's first stage reads data).
+    """
+    result, keep = [], []
+    x = _map_tensors(sample, _leaf) if grad_input else sample
+    with _preserved_rng(nn.ModuleList(layers), sample, device), torch.enable_grad(), \
+            layerwise():
+        for layer in layers:
             target = _target_device(layer, x, device)
             sandbox = copy.deepcopy(layer).to(target)
             params = {p.untyped_storage().data_ptr() for p in sandbox.parameters()}
             saved: dict[int, int] = {}
-            with _counting_saved(saved, params):
-                out = sandbox(_map_tensors(_to(x, target), _leaf))
-            for t in _tensors(out):
-                saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            param_bytes = sum(_nbytes(p) for p in sandbox.parameters())
-            sizes.append(param_scale * param_bytes + sum(saved.values()))
-            x = _map_tensors(out, lambda t: t.detach())
-    return sizes
+            with _counting_saved(saved, params, keep):
+                x = sandbox(_to(x, target))
+            keep.append(x)
+            result.append(saved)
+    return result
 
 
 def profile_times(
@@ -166,12 +197,14 @@ def first_microbatch(input: Any, chunks: int) -> Any:
 
 
 @contextmanager
-def _counting_saved(saved: dict[int, int], params: set[int]) -> Iterator[None]:
-    """Record in ``saved`` (storage -> bytes) every non-parameter tensor saved for backward."""
+def _counting_saved(saved: dict[int, int], params: set[int], keep: list) -> Iterator[None]:
+    """Record in ``saved`` (storage -> bytes) every non-parameter tensor saved for backward,
+    keeping each in ``keep`` (so no storage is freed and its address reused meanwhile)."""
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in params and storage.nbytes() > 0:
             saved.setdefault(storage.data_ptr(), storage.nbytes())
+            keep.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

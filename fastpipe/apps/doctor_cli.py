@@ -24,7 +24,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
         override = StepContext(balance=_numbers("--balance", args.balance, int),
-                               samples=args.samples)
+                               samples=args.samples,
+                               layer_costs=_numbers("--layer-costs", args.layer_costs, float))
         memory = _memory(args)
         timeline, context = load_trace(args.trace)
         diagnosis = doctor((timeline, context), context=override, memory=memory)
@@ -45,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="layers per stage, when the trace does not record it")
     parser.add_argument("--samples", type=int, help="batch size, when the trace does not "
                         "record it")
+    parser.add_argument("--layer-costs", metavar="X,X,...", help="a per-layer cost profile in "
+                        "model order (any unit), to split each stage's time over its layers")
     parser.add_argument("--memory", metavar="BYTES,...", help="peak bytes per stage (CUDA "
                         "max_memory_allocated, or saved-activation bytes)")
     parser.add_argument("--memory-limit", metavar="BYTES,...", help="bytes each stage may use")

@@ -13,11 +13,13 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from .. import balance as partition
 from ..schedule.trace_file import StepContext
+from .layers import costs_for, layer_costs
 from .split import Split, stage_work
 from ..schedule import ASYNCHRONOUS
 from ..schedule.schedule import Schedule
 from ..schedule.recommend import make_schedule, recommend
-from ..schedule.simulator import Costs, simulate
+from ..schedule.simulator import (CHECKPOINTED, Costs, checkpointed_count, mode_peaks,
+                                  simulate)
 
 __all__ = ["Finding", "Memory", "MIN_GAIN", "find"]
 
@@ -45,8 +47,11 @@ class Memory:
 @dataclass(frozen=True)
 class Finding:
     """One problem: ``kind`` (``'imbalance'``, ``'chunks'``, ``'schedule'``, ``'input'``,
-    ``'communication'``, ``'unexplained'``, ``'memory'``), what was measured, what to change,
-    and the expected gain in seconds per step (0 for a risk rather than a speed-up)."""
+    ``'communication'``, ``'unexplained'``, ``'memory'``, ``'hardware'``), what was measured,
+    what to change, and the expected gain in seconds per step (0 for a risk or a hardware
+    fact rather than a speed-up); ``confidence`` (``'high'``, ``'medium'``, ``'low'``) and
+    the ``evidence`` for it: the gain against the traced steps' spread
+    (:mod:`fastpipe.diagnosis.confidence`)."""
 
     kind: str
     message: str
@@ -56,6 +61,8 @@ class Finding:
     balance: Optional[Tuple[int, ...]] = None
     chunks: Optional[int] = None
     schedule: Optional[str] = None
+    confidence: Optional[str] = None
+    evidence: Optional[str] = None
 
 
 def find(split: Split, context: StepContext, memory: Optional[Memory] = None) -> List[Finding]:
@@ -95,16 +102,18 @@ def _imbalance(split: Split, context: StepContext) -> Optional[Finding]:
     waste = sum(row["imbalance"] for row in split.seconds) / len(split.seconds)
     what = (f"stage {slowest} is the slowest ({ratio} the other stages' median): imbalance "
             f"idles the others {_pct(split, waste)} of the step")
-    known = context.balance is not None and len(context.balance) == split.schedule.num_virtual_stages
+    virtual = split.schedule.num_virtual_stages
+    known = context.balance is not None and len(context.balance) == virtual
     if known:
-        layers = _layer_costs(split.costs, split.schedule, context.balance)
+        layers = layer_costs(split.costs, split.schedule, context.balance, context.layer_costs)
         proposed = tuple(partition.solve([sum(c) for c in layers], len(context.balance)))
         if proposed != tuple(context.balance):
-            predicted = simulate(split.schedule, _costs_for(layers, proposed)).makespan
+            predicted = simulate(split.schedule, costs_for(layers, proposed)).makespan
             gain = split.simulated - predicted
             return Finding("imbalance", what, gain, f"balance={list(proposed)} predicts "
-                           f"{_ms(predicted)} instead of {_ms(split.simulated)} per step",
-                           stage=slowest, balance=proposed) if _worth(split, gain) else None
+                           f"{_ms(predicted)} instead of {_ms(split.simulated)} per step "
+                           f"{_layers_from(context)}", stage=slowest,
+                           balance=proposed) if _worth(split, gain) else None
     gain = split.simulated - split.equalized
     if not _worth(split, gain):
         return None
@@ -113,25 +122,12 @@ def _imbalance(split: Split, context: StepContext) -> Optional[Finding]:
     return Finding("imbalance", what, gain, fix, stage=slowest)
 
 
-def _layer_costs(costs: Costs, schedule: Schedule,
-                 balance: Sequence[int]) -> List[Tuple[float, float, float]]:
-    """Per layer in model order, its (F, B, W) cost: each virtual stage's measured cost spread
-    evenly over its layers (the trace times stages, not layers)."""
-    n = schedule.num_virtual_stages
-    kinds = [costs.per_virtual_stage(name, n) for name in ("forward", "backward", "weight")]
-    return [tuple(k[v] / count for k in kinds)  # type: ignore[misc]
-            for v, count in enumerate(balance) for _ in range(count)]
-
-
-def _costs_for(layers: Sequence[Tuple[float, float, float]], balance: Sequence[int]) -> Costs:
-    """Per virtual stage costs when consecutive ``layers`` are grouped by ``balance``."""
-    sums, start = [], 0
-    for count in balance:
-        group = layers[start:start + count]
-        sums.append(tuple(sum(c[k] for c in group) for k in range(3)))
-        start += count
-    return Costs(forward=[s[0] for s in sums], backward=[s[1] for s in sums],
-                 weight=[s[2] for s in sums])
+def _layers_from(context: StepContext) -> str:
+    """Where the per-layer costs behind a balance come from."""
+    if context.layer_costs is not None:
+        return "(each stage's time split over its layers by the layer profile)"
+    return ("(each stage's time spread evenly over its layers; pass layer_costs= a per-layer "
+            "profile when they differ)")
 
 
 # -------------------------------------------------------------------------------- chunks
@@ -160,8 +156,11 @@ def _chunks(split: Split, context: StepContext) -> Optional[Finding]:
         share = _overhead_per_stage(split, context)
         what = (f"micro-batches too small: fixed per-action cost ({overhead * 1e6:.0f} us per "
                 f"action) is {_pct(split, share)} of the step with chunks={m}")
+    caveat = ("; this assumes an action's time shrinks in proportion to its micro-batch: "
+              "small micro-batches (a few samples) make matrix products less efficient, "
+              "so measure" if chunks > m else "")
     return Finding("chunks", what, gain, f"chunks={chunks} predicts {_ms(predicted)} instead of "
-                   f"{_ms(base)} per step", chunks=chunks)
+                   f"{_ms(base)} per step{caveat}", chunks=chunks)
 
 
 def _overhead_per_stage(split: Split, context: StepContext) -> float:
@@ -299,33 +298,48 @@ def _share_finding(split: Split, category: str, threshold: float, words: Tuple[s
 # -------------------------------------------------------------------------------- memory
 def _memory(split: Split, context: StepContext, memory: Optional[Memory]) -> Optional[Finding]:
     """Checkpointing with memory to spare costs a recomputation; no checkpointing near the limit
-    risks running out."""
+    risks running out. Another mode's peak is predicted with the activation memory model
+    (``mode_peaks``): the measured peak scaled by the modelled ratio, an upper bound for a
+    lighter mode (the measured peak also holds weights, which do not scale)."""
     if memory is None or memory.limit is None or context.checkpoint is None:
         return None
-    used = [p / limit for p, limit in zip(memory.peak, memory.limit) if limit > 0]
-    if not used:
+    used = [p / limit if limit > 0 else 0.0 for p, limit in zip(memory.peak, memory.limit)]
+    if not any(limit > 0 for limit in memory.limit):
         return None
-    fullest = max(range(len(used)), key=used.__getitem__)
-    if context.checkpoint in ("always", "except_last") and max(used) < HEADROOM_USED:
-        gain = _recompute_gain(split, context.checkpoint)
+    mode, fullest = context.checkpoint, max(range(len(used)), key=used.__getitem__)
+    base = mode_peaks(split.schedule, mode) if mode in CHECKPOINTED else None
+    def use(other: str) -> float:  # the fullest stage's predicted share under ``other``
+        ratios = [r / b if b > 0 else 1.0 for r, b in zip(mode_peaks(split.schedule, other), base)]
+        return max(u * r for u, r in zip(used, ratios))
+    if mode in ("always", "except_last") and max(used) < HEADROOM_USED:
+        lighter = [m for m in ("never", "except_last") if m != mode and use(m) < MEMORY_FULL]
+        if not lighter:
+            return None
+        gain = _recompute_gain(split, mode) - _recompute_gain(split, lighter[0])
         if not _worth(split, gain):
             return None
-        return Finding("memory", f"checkpoint={context.checkpoint!r} recomputes forwards while "
-                       f"the fullest stage uses {max(used):.0%} of its memory", gain,
-                       "checkpoint='never' (or 'selective') skips the recomputation",
+        return Finding("memory", f"checkpoint={mode!r} recomputes forwards while the fullest "
+                       f"stage uses {max(used):.0%} of its memory", gain,
+                       f"checkpoint={lighter[0]!r} skips "
+                       f"{'the' if lighter[0] == 'never' else 'some'} recomputation, predicted "
+                       f"to peak at {use(lighter[0]):.0%}",
                        stage=fullest)
-    if context.checkpoint == "never" and max(used) >= MEMORY_FULL:
+    if mode == "never" and max(used) >= MEMORY_FULL:
+        options = ", ".join(f"checkpoint={m!r} predicts {use(m):.0%}" for m in
+                            ("except_last", "always"))
         return Finding("memory", f"stage {fullest} peaks at {max(used):.0%} of its memory with "
-                       f"checkpoint='never'", 0.0, "checkpoint='except_last' keeps only each "
-                       "micro-batch's input until its backward", stage=fullest)
+                       f"checkpoint='never'", 0.0, f"{options} (each checkpointed micro-batch "
+                       f"keeps only its input until its backward)", stage=fullest)
     return None
 
 
 def _recompute_gain(split: Split, mode: str) -> float:
     """The step time the recomputation costs: re-simulate with each checkpointed backward
-    shortened by its forward."""
+    shortened by its forward (the share of micro-batches ``mode`` recomputes)."""
     m = split.schedule.num_microbatches
-    share = (m if mode == "always" else m - 1) / m
+    share = checkpointed_count(mode, m) / m
+    if share == 0:
+        return 0.0
     n = split.schedule.num_virtual_stages
     forward = split.costs.per_virtual_stage("forward", n)
     backward = split.costs.per_virtual_stage("backward", n)

@@ -34,7 +34,8 @@ from .timeline import Event, Timeline
 
 _new_object, _set = object.__new__, object.__setattr__  # events built without their checks
 
-__all__ = ["Costs", "SimulationResult", "simulate"]
+__all__ = ["CHECKPOINTED", "Costs", "SimulationResult", "activation_peaks",
+           "checkpointed_count", "mode_peaks", "simulate"]
 
 Cost = Union[float, Sequence[float]]
 """A cost: one number for every virtual stage, or one per virtual stage."""
@@ -188,8 +189,76 @@ def _peak_memory(
     """Per stage, the most activation memory in flight (from the peak count when uniform)."""
     if len(set(activation)) == 1:
         return tuple(activation[0] * peak for peak in timeline.peak_inflight)
-    where = schedule.placement
-    return timeline.peak_weighted(lambda a: activation[where[a.stage][a.chunk]])
+    return activation_peaks(schedule, activation)
+
+
+CHECKPOINTED = {"never": 0, "offload": 0, "selective": 0, "always": None, "except_last": -1}
+"""Checkpoint mode -> how many of the first micro-batches recompute their forward in backward
+(``None``: all of them; ``-1``: all but the last), as the step runtime applies the modes."""
+
+
+def checkpointed_count(mode: str, num_microbatches: int) -> int:
+    """How many micro-batches (the first ones) checkpoint ``mode`` recomputes."""
+    if mode not in CHECKPOINTED:
+        raise ValueError(f"checkpoint={mode!r} is not a checkpoint mode; use one of "
+                         f"{', '.join(CHECKPOINTED)}")
+    stop = CHECKPOINTED[mode]
+    if stop is None:
+        return num_microbatches
+    return max(0, num_microbatches + stop) if stop < 0 else stop
+
+
+def mode_peaks(schedule: ScheduleData, mode: str) -> tuple[float, ...]:
+    """Per stage, the peak of :func:`activation_peaks` with one unit per (chunk, micro-batch)
+    under checkpoint ``mode``: ratios between modes scale a measured peak to another mode."""
+    return activation_peaks(schedule, [1.0] * schedule.num_virtual_stages,
+                            checkpointed=checkpointed_count(mode, schedule.num_microbatches))
+
+
+def activation_peaks(
+    schedule: ScheduleData, held: Sequence[float] | Sequence[Sequence[float]], *,
+    shared: Sequence[float] | None = None, checkpointed: int = 0,
+) -> tuple[float, ...]:
+    """Per physical stage, the most activation bytes held at once, scanning its actions in
+    order (memory changes only with a stage's own actions, so no timing is needed).
+
+    ``held[v]`` (or ``held[v][mb]``): what virtual stage ``v``'s forward keeps for backward per
+    micro-batch; ``shared[v]``: bytes held once while any micro-batch of ``v`` holds its own
+    (storages every micro-batch shares, e.g. views of the caller's batch). The first
+    ``checkpointed`` micro-batches keep nothing from their ``F`` (their input is kept outside
+    autograd, not counted) and hold their recomputed activations from their ``B``. A pair is
+    released by its ``W`` when it has one (``B`` retains the graph for it), else by its ``B``.
+    """
+    n = schedule.num_virtual_stages
+    size = [[float(h)] * schedule.num_microbatches if not isinstance(h, Sequence)
+            else [float(x) for x in h] for h in held]
+    if len(size) != n:
+        raise ValueError(f"held has {len(size)} entries but the schedule has {n} virtual "
+                         f"stages; give one per virtual stage")
+    once = [float(x) for x in shared] if shared is not None else [0.0] * n
+    return tuple(_lane_peak(row, schedule.placement[s], size, once, checkpointed)
+                 for s, row in enumerate(schedule.actions))
+
+
+def _lane_peak(row: Sequence[Action], place: Sequence[int], size: list[list[float]],
+               once: list[float], checkpointed: int) -> float:
+    """The peak of one stage's actions: a pair's bytes come with its ``F`` (its ``B`` when
+    recomputed) and go with its last backward action."""
+    split = {(a.chunk, a.microbatch) for a in row if a.kind is W}
+    live: dict[tuple[int, int], float] = {}
+    holders: dict[int, int] = {}
+    total = peak = 0.0
+    for a in row:
+        key, v = (a.chunk, a.microbatch), place[a.chunk]
+        if (a.kind is F) != (a.microbatch < checkpointed) and key not in live:
+            live[key] = size[v][a.microbatch]
+            holders[v] = holders.get(v, 0) + 1
+            total += live[key] + (once[v] if holders[v] == 1 else 0.0)
+            peak = max(peak, total)
+        if a.kind is not F and (a.kind is W) == (key in split) and key in live:
+            holders[v] -= 1
+            total -= live.pop(key) + (once[v] if holders[v] == 0 else 0.0)
+    return peak
 
 
 class _Graph:

@@ -3,6 +3,7 @@ the ``doctor`` command line. Slow layers sleep, so the planted problems dominate
 the machine is doing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from fastpipe import Pipe
 from fastpipe.apps.doctor_cli import main as doctor_main
 from fastpipe.runtime.observe import profiler_ranges
 from fastpipe.schedule import render
+from fastpipe.schedule.trace_file import StepContext
 from fastpipe.schedule.timeline import Timeline
 
 
@@ -118,16 +120,33 @@ def test_last_step_without_tracing():
     assert "samples/s" in str(stats)
 
 
+QUIET = StepContext(load=0.0)
+"""The slow layers sleep, needing no core: the machine's load (other tests) is set aside."""
+
+
 def test_a_slow_stage_of_a_real_pipe_is_named_and_rebalanced():
-    pipe = sleepy_pipe(slow_stage=1, chunks=8)
+    # sleeps large enough that the gain (about 50 ms) stands above a busy machine's spread
+    pipe = sleepy_pipe(slow_stage=1, chunks=8, unit=0.005)
     pipe.train_step(*batch(), mse)
     with pipe.trace() as t:
-        pipe.train_step(*batch(), mse)
-    diagnosis = fastpipe.doctor(t)
+        for _ in range(4):
+            pipe.train_step(*batch(), mse)
+    diagnosis = fastpipe.doctor(t, context=QUIET)
     finding = diagnosis.finding("imbalance")
-    assert finding is not None and finding.stage == 1
+    assert finding is not None and finding.stage == 1, diagnosis.report()
     assert finding.balance == (3, 1)  # a layer moves away from the slow stage
+    assert finding.confidence in ("low", "medium", "high") and "4 steps" in finding.evidence
     assert diagnosis.context.balance == (2, 2) and diagnosis.context.samples == 16
+    assert diagnosis.noise.steps == 4 and diagnosis.noise.spread is not None
+
+
+def test_a_traced_step_records_the_hardware():
+    pipe = sleepy_pipe(unit=0.0)
+    with pipe.trace() as t:
+        pipe.train_step(*batch(), mse)
+    context = t.contexts[0]
+    assert context.devices == ("cpu", "cpu") and context.cores >= 1
+    assert context.intra_op_threads == torch.get_num_threads() and context.load >= 0
 
 
 def test_a_balanced_well_sized_real_pipe_gets_no_layout_advice():
@@ -162,12 +181,13 @@ def test_the_command_line_reports_a_saved_trace(tmp_path, capsys):
     pipe = sleepy_pipe(slow_stage=0)
     with pipe.trace() as t:
         pipe.train_step(*batch(), mse)
+    t.contexts[0] = dataclasses.replace(t.contexts[0], load=0.0)  # see QUIET
     path = tmp_path / "trace.json"
     t.write(path)
     assert _cli(path) == 0
     out = capsys.readouterr().out
     assert "stage  compute  bubble  imbalance" in out and "schedule '1f1b'" in out
-    assert "stage 0 is the slowest" in out
+    assert "stage 0 is the slowest" in out and "1 step: noise unknown" in out
 
 
 @pytest.mark.parametrize("content, words", [
