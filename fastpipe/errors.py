@@ -50,6 +50,13 @@ class ProcessGroupError(RuntimeError):
     """``torch.distributed`` is not set up the way a ``DistributedPipe`` needs."""
 
 
+class TooFewDevices(ValueError, IndexError):
+    """``devices`` lists fewer devices than the pipeline has stages.
+
+    A ``ValueError`` like fastpipe's other argument errors, and an ``IndexError`` as torchgpipe
+    raises it, so a program written for either catches it."""
+
+
 def describe(error: BaseException) -> str:
     """``Type: message`` of an exception, with the notes added to it (``add_note``)."""
     notes = "; ".join(getattr(error, "__notes__", ()))

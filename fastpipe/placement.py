@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from .balance import solve
+from .errors import TooFewDevices
+from .schedule.ir import ScheduleData
 
 Device = Union[str, int, torch.device]
 
@@ -32,10 +34,13 @@ def check_module(module: object) -> nn.Sequential:
 
 
 def check_chunks(chunks: object) -> int:
-    """``chunks`` is the number of micro-batches: an int of at least 1."""
+    """``chunks`` is the number of micro-batches: an int of at least 1 (a whole float such as
+    ``42.0`` counts as that int, as torchgpipe takes it)."""
+    if isinstance(chunks, float) and chunks.is_integer():
+        chunks = int(chunks)
     if isinstance(chunks, bool) or not isinstance(chunks, int):
         raise TypeError(f"chunks must be an int (the number of micro-batches) or 'auto', got "
-                        f"{chunks!r}")
+                        f"{chunks!r}; a float is taken only when it is whole, e.g. 4.0")
     if chunks < 1:
         raise ValueError(f"chunks must be at least 1 (the number of micro-batches), got {chunks}")
     if chunks > MAX_CHUNKS:
@@ -150,7 +155,7 @@ def resolve_devices(devices: Optional[Sequence[Device]], partitions: int) -> Lis
                 f"count per device (the module needs at least as many layers as devices)")
     devices = list(devices)
     if partitions > len(devices):
-        raise ValueError(
+        raise TooFewDevices(
             f"the pipeline has {partitions} stages but devices lists only {len(devices)}; list "
             f"a device for each stage (a device may repeat, e.g. ['cpu'] * {partitions}) or use "
             f"fewer stages in balance")
@@ -218,6 +223,8 @@ def resolve_virtual_stages(virtual_stages: object, schedule: object) -> int:
     """``virtual_stages``, checked; ``None`` (not given) means what ``schedule`` needs: 2 for
     the V-shaped schedules, else 1."""
     if virtual_stages is None:
+        if isinstance(schedule, ScheduleData):  # a Schedule object places its own chunks
+            return schedule.num_chunks
         return 2 if isinstance(schedule, str) and schedule.lower() in V_SHAPED else 1
     return check_virtual_stages(virtual_stages)
 
@@ -313,7 +320,7 @@ class StagesStayPut:
 
     def _move_refused(self, target: str, detail: str = "") -> TypeError:
         devices, argument = self._placement()
-        where = ", ".join(str(d) for d in devices)
+        where = ", ".join(str(d) for d in devices) or "none"
         return TypeError(f"a {type(self).__name__}'s stages live on their own devices ({where}) "
                          f"and cannot be moved as one (to {target}){detail}; choose the "
                          f"placement with {argument}; casts such as .to(torch.bfloat16) are "

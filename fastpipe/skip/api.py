@@ -53,6 +53,7 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[M
             raise TypeError(f"@skippable decorates nn.Module classes, got {cls!r}")
         cls._fastpipe_skip = decl  # type: ignore[attr-defined]
         cls.forward = _framed_forward(cls.forward)  # type: ignore[attr-defined]
+        cls.__repr__ = _skippable_repr(cls.__repr__)  # type: ignore[method-assign]
         if "isolate" not in vars(cls):
             cls.isolate = isolate  # type: ignore[attr-defined]
         return cls
@@ -75,6 +76,19 @@ class Namespace:
 
     def __repr__(self) -> str:
         return f"Namespace({self.label})"
+
+    # A copy (copy.copy, deepcopy, a pickle round trip) is the same namespace, as in torchgpipe.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Namespace) and other.label == self.label
+
+    def __hash__(self) -> int:
+        return hash((Namespace, self.label))
+
+    def __lt__(self, other: object) -> bool:
+        """Namespaces sort (by label), as torchgpipe's do."""
+        if not isinstance(other, Namespace):
+            return NotImplemented
+        return self.label < other.label
 
 
 def isolate(self: nn.Module, ns: Namespace, *, only: Optional[Iterable[str]] = None
@@ -135,6 +149,19 @@ def _framed_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
 
     run._fastpipe_framed = True  # type: ignore[attr-defined]
     return run
+
+
+def _skippable_repr(plain: Callable[[nn.Module], str]) -> Callable[[nn.Module], str]:
+    """``repr`` of a skippable layer as torchgpipe shows it: ``@skippable(<the layer>)``."""
+    if getattr(plain, "_fastpipe_skippable", False):
+        return plain
+
+    @functools.wraps(plain)
+    def show(self: nn.Module) -> str:
+        return f"@skippable({plain(self)})"
+
+    show._fastpipe_skippable = True  # type: ignore[attr-defined]
+    return show
 
 
 def _drive(generator: Any) -> Any:

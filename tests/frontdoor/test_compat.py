@@ -349,7 +349,7 @@ def skip_declared(layer):
     return fastpipe.skip.declared(layer)
 
 
-# -- short batches ---------------------------------------------------------------------------------
+# -- short batches -------------------------------------------------------------------------------
 
 SHORT_CASES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("pipedream", 1), ("interleaved", 2),
                ("looped-bfs", 2), ("zbv", 2), ("dualpipev", 2)]

@@ -1,4 +1,5 @@
-"""Bad arguments give typed errors naming the argument, before any work, leaving the model as it was."""
+"""Bad arguments give typed errors naming the argument, before any work, leaving the model as
+it was; a failing stage stops the others."""
 import copy
 import os
 import subprocess
@@ -197,3 +198,63 @@ def test_selective_checkpointing_pays_its_imports_at_construction():
                          timeout=120, env=env, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+class _Failed(Exception):
+    pass
+
+
+class _Tagged(nn.Module):
+    """Records the micro-batches (by their value) it runs; on micro-batch ``fail_on`` it raises
+    once ``events[0]`` is set; on ``hold_on`` it sets ``events[0]`` and waits for
+    ``events[1]`` (the step has recorded a failure)."""
+
+    def __init__(self, seen, events, fail_on=None, hold_on=None):
+        super().__init__()
+        self.seen, self.events, self.fail_on, self.hold_on = seen, events, fail_on, hold_on
+
+    def forward(self, x):
+        tag = int(x[0, 0])
+        self.seen.append(tag)
+        holding, tripped = self.events
+        if tag == self.fail_on:
+            assert holding.wait(timeout=30), "the other worker never started its action"
+            raise _Failed(f"micro-batch {tag}")
+        if tag == self.hold_on:
+            holding.set()
+            assert tripped.wait(timeout=30), "the failure was never recorded"
+        return x
+
+
+def test_after_a_failure_no_worker_starts_another_action(monkeypatch):
+    """torchgpipe's early stop: once a stage fails, a worker that is still busy stops before
+    its next action. Two workers run stages (0, 1) and (2, 3); stage 1 fails on micro-batch 2
+    while stage 3 holds micro-batch 0 until the failure is recorded. Micro-batch 1 is ready on
+    stage 2 by then (the same worker's next action), and must not run."""
+    import threading
+    from fastpipe.runtime.transport.mailbox import Abort
+    events, trip = (threading.Event(), threading.Event()), Abort.trip
+
+    def tripping(self, reason):
+        trip(self, reason)
+        events[1].set()
+
+    monkeypatch.setattr(Abort, "trip", tripping)
+    seen = {k: [] for k in range(4)}
+    model = nn.Sequential(_Tagged(seen[0], events), _Tagged(seen[1], events, fail_on=2),
+                          _Tagged(seen[2], events), _Tagged(seen[3], events, hold_on=0))
+    pipe = fastpipe.GPipe(model, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=4, cpu_workers=2,
+                          checkpoint="never")
+    with pytest.raises(_Failed, match="micro-batch 2"):
+        pipe(torch.arange(4.0).view(4, 1))
+    assert seen[1] == [0, 1, 2]
+    assert seen[2] == [0] and seen[3] == [0]
+
+
+def test_a_whole_float_chunks_is_its_int_and_too_few_devices_is_also_an_index_error():
+    pipe = fastpipe.Pipe(mlp(), chunks=4.0, balance=[3, 3], devices=["cpu"] * 2)
+    assert pipe.chunks == 4 and type(pipe.chunks) is int
+    with pytest.raises(IndexError, match="3 stages but devices lists only 2") as info:
+        fastpipe.Pipe(mlp(), balance=[2, 2, 2], devices=["cpu"] * 2)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, fastpipe.errors.TooFewDevices)

@@ -12,7 +12,7 @@ import fastpipe.balance
 import fastpipe.skip
 
 torchgpipe = pytest.importorskip("torchgpipe", reason="torchgpipe is not installed")
-import torchgpipe.balance  # noqa: E402
+import torchgpipe.balance  # noqa: E402, F811
 import torchgpipe.skip  # noqa: E402
 
 LIBS = {
@@ -215,3 +215,181 @@ def test_balance_by_time_has_the_same_signature():
     ours = inspect.signature(fastpipe.GPipe.__init__).parameters
     theirs = inspect.signature(torchgpipe.GPipe.__init__).parameters
     assert list(ours)[:len(theirs)] == list(theirs)
+
+
+# -- casts and moves ---------------------------------------------------------------------------
+CASTS = {"double()": lambda m: m.double(), "half()": lambda m: m.half(),
+         "float()": lambda m: m.double().float(), "to(torch.double)": lambda m: m.to(torch.double),
+         "to(dtype=torch.half)": lambda m: m.to(dtype=torch.half)}
+
+
+def cast(lib, how):
+    pipe = lib.GPipe(mlp(), balance=[2, 3], devices=["cpu", "cpu"], chunks=2)
+    assert CASTS[how](pipe) is pipe
+    return [[p.dtype for p in part.parameters()] for part in pipe.partitions]
+
+
+@pytest.mark.parametrize("how", CASTS)
+def test_a_cast_reaches_every_partition_alike(how):
+    theirs, ours = both(cast, how)
+    assert ours == theirs and len({d for part in ours for d in part}) == 1
+
+
+MOVES = {"cuda()": lambda m: m.cuda(), "cpu()": lambda m: m.cpu(),
+         "to('cpu')": lambda m: m.to("cpu"), "to(device=0)": lambda m: m.to(device=0),
+         "to(tensor)": lambda m: m.to(torch.ones(1)),
+         "to(tensor=)": lambda m: m.to(tensor=torch.ones(1, dtype=torch.double))}
+
+
+def move(lib, how):
+    pipe = lib.GPipe(mlp(), balance=[2, 3], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError):
+        MOVES[how](pipe)
+    return [p.dtype for p in pipe.parameters()]
+
+
+@pytest.mark.parametrize("how", MOVES)
+def test_a_move_is_denied_alike(how):
+    theirs, ours = both(move, how)
+    assert ours == theirs == [torch.float32] * 6
+
+
+# -- an empty nn.Sequential --------------------------------------------------------------------
+def empty(lib):
+    pipe = lib.GPipe(nn.Sequential(), [])
+    x = torch.randn(3, 2, requires_grad=True)
+    out = pipe(x)
+    (out * torch.arange(6.0).view(3, 2)).sum().backward()
+    pair = (torch.tensor(42), torch.ones(2))
+    with pytest.raises(TypeError):
+        pipe(42)
+    return (out is x, x.grad, pipe(pair) is pair, pipe(torch.tensor(42)).item(), pipe.balance,
+            pipe.devices, len(pipe), list(pipe), len(pipe.partitions))
+
+
+def test_an_empty_sequential_runs_as_the_identity_alike():
+    theirs, ours = both(empty)
+    assert ours[0] is theirs[0] is True
+    torch.testing.assert_close(ours[1], torch.arange(6.0).view(3, 2))
+    torch.testing.assert_close(ours[1], theirs[1])
+    assert ours[2:] == theirs[2:] == (True, 42, [], [], 0, [], 0)
+
+
+def balance_errors(lib):
+    messages = []
+    for args in [(nn.Sequential(),), (nn.Sequential(), [1]),
+                 (nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [1])]:
+        with pytest.raises(ValueError, match="torchgpipe.balance") as info:
+            lib.GPipe(*args)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_a_wrong_balance_recommends_the_balancers_alike():
+    theirs, ours = both(balance_errors)
+    assert len(ours) == len(theirs)
+    assert all("fastpipe.balance import balance_by_time" in m for m in ours)
+    assert "sums to 1 but the module has 2 layers" in ours[2]  # fastpipe's own words first
+
+
+# -- constructor arguments ---------------------------------------------------------------------
+class Named:
+    def __init__(self, value):
+        self.value = value
+
+    def __str__(self):
+        return self.value
+
+
+def attributes(lib):
+    pipe = lib.GPipe(nn.Sequential(nn.Linear(1, 1)), balance=(1,), devices=("cpu",),
+                     chunks=42.0, checkpoint=Named("always"))
+    return pipe.chunks, type(pipe.chunks), pipe.checkpoint, type(pipe.checkpoint)
+
+
+def test_a_whole_float_chunks_and_a_str_like_checkpoint_are_taken_alike():
+    theirs, ours = both(attributes)
+    assert ours == theirs == (42, int, "always", str)
+
+
+def test_a_fractional_chunks_is_still_an_error():
+    with pytest.raises(TypeError, match=r"chunks must be an int .* got 42\.5; a float is taken "
+                                        r"only when it is whole"):
+        fastpipe.GPipe(nn.Sequential(nn.Linear(1, 1)), [1], devices=["cpu"], chunks=42.5)
+
+
+def invalid_checkpoint(lib):
+    with pytest.raises(ValueError, match="checkpoint is not one of 'always', 'except_last', or "
+                                         "'never'") as info:
+        lib.GPipe(nn.Sequential(nn.Linear(1, 1)), [1], devices=["cpu"], checkpoint="INVALID")
+    return str(info.value)
+
+
+def test_an_invalid_checkpoint_mode_says_the_same_and_more():
+    _, ours = both(invalid_checkpoint)
+    assert ours.startswith("checkpoint='INVALID' is not a checkpoint mode")
+    assert "'offload'" in ours and "'selective'" in ours
+
+
+def too_few_devices(lib):
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(4)])
+    with pytest.raises(IndexError) as info:
+        lib.GPipe(model, balance=[1, 1, 1, 1], devices=["cpu"])
+    return info.value
+
+
+def test_too_few_devices_is_an_index_error_alike_and_a_value_error_here():
+    _, ours = both(too_few_devices)
+    assert isinstance(ours, ValueError) and isinstance(ours, fastpipe.errors.TooFewDevices)
+    assert "4 stages but devices lists only 1" in str(ours)
+
+
+# -- balancers ---------------------------------------------------------------------------------
+def holding_gradients(lib, balancer):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    sample = torch.rand(2, 3)
+    model(sample).norm().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="some parameter already has gradient") as info:
+        getattr(lib.balance, balancer)(1, model, sample, device="cpu")
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("balancer", ["balance_by_time", "balance_by_size"])
+def test_the_balancers_refuse_a_module_holding_gradients(balancer):
+    """Side by side for ``balance_by_time``; torchgpipe's ``balance_by_size`` runs on CUDA
+    only, so on the CPU it is fastpipe's alone."""
+    if balancer == "balance_by_time":
+        both(holding_gradients, balancer)
+    ours = holding_gradients(LIBS["fastpipe"], balancer)
+    assert "'0.weight' and 3 more" in ours and "zero_grad(set_to_none=True)" in ours
+
+
+# -- an in-place operation on a checkpointed stage's input -------------------------------------
+LEAF_IN_PLACE = "a leaf Variable that requires grad (is being|has been) used in an in-place " \
+                "operation."
+
+
+def in_place(lib, checkpoint):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True))
+    pipe = lib.GPipe(model, [1, 1], devices=["cpu", "cpu"], checkpoint=checkpoint)
+    y = pipe(torch.rand(3, 2))
+    if checkpoint == "never":
+        y.sum().backward()
+        return [p.grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=LEAF_IN_PLACE) as info:
+        y.sum().backward()
+    return str(info.value)
+
+
+def test_an_in_place_change_of_a_checkpointed_input_is_refused_alike():
+    _, ours = both(in_place, "always")
+    assert "inplace=False" in ours  # fastpipe says what to change
+
+
+def test_an_in_place_first_layer_runs_as_the_plain_model_without_checkpointing():
+    theirs, ours = both(in_place, "never")
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)

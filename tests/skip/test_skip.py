@@ -145,3 +145,27 @@ def test_skippable_checks_its_arguments():
         skip.skippable(pop=["x", "x"])
     with pytest.raises(TypeError, match="nn.Module"):
         skip.skippable(stash=["x"])(int)
+
+
+def test_namespace_copies_are_the_same_namespace():
+    import pickle
+    ns = skip.Namespace()
+    for other in (copy.copy(ns), copy.deepcopy(ns), pickle.loads(pickle.dumps(ns))):
+        assert other == ns and hash(other) == hash(ns) and other is not ns
+    assert skip.Namespace() != ns and ns != "ns"
+    assert sorted([skip.Namespace(), ns])[0] is ns
+
+
+def test_a_skippable_layer_shows_as_skippable_once():
+    @skip.skippable(stash=["x"])
+    class Keep(nn.Module):
+        def forward(self, x):
+            skip.stash("x", x)
+            return x
+
+    @skip.skippable(stash=["x"])
+    class KeepMore(Keep):
+        pass
+
+    assert repr(Keep()) == "@skippable(Keep())" and repr(KeepMore()) == "@skippable(KeepMore())"
+    assert "(0): @skippable(Keep())" in repr(nn.Sequential(Keep()))
