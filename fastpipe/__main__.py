@@ -10,7 +10,8 @@ commands:
   info      versions, native library status, CUDA and Triton availability
   demo      train a small GPT through a pipeline (python -m fastpipe demo --help)
   schedule  print a schedule as a table of actions, with its validation report
-            (python -m fastpipe schedule 1f1b --stages 4 --chunks 8)
+            (python -m fastpipe schedule 1f1b --stages 4 --chunks 8); with --from-csv FILE,
+            a schedule of PyTorch's pipelining or torchtitan, checked, drawn and simulated
   simulate  time a schedule under given costs, draw its timeline, compare with closed forms
             (python -m fastpipe simulate --schedule 1f1b --stages 4 --chunks 8 --costs 1,2,0)
   doctor    where a traced step's time went and what to change
@@ -61,13 +62,23 @@ def _schedule(argv: List[str]) -> int:
     import argparse
 
     from .schedule import SCHEDULES, get_schedule
+    from .apps.cli_schedule import show_csv, validation_lines
     parser = argparse.ArgumentParser(prog="python -m fastpipe schedule")
-    parser.add_argument("name", choices=sorted(SCHEDULES))
+    parser.add_argument("name", nargs="?", choices=sorted(SCHEDULES))
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches")
     parser.add_argument("--virtual", type=int, default=None,
                         help="model chunks per stage (default: the schedule's own)")
+    parser.add_argument("--from-csv", metavar="FILE", help="instead of a name: a schedule in "
+                        "PyTorch pipelining's / torchtitan's CSV layout, drawn and simulated")
+    parser.add_argument("--costs", default="1,1,1", metavar="F,B,W[,P2P]",
+                        help="with --from-csv: per-stage costs of the simulation (default 1,1,1)")
+    parser.add_argument("--width", type=int, default=None, help="with --from-csv: timeline width")
     args = parser.parse_args(argv)
+    if (args.name is None) == (args.from_csv is None):
+        parser.error("give either a schedule name or --from-csv FILE")
+    if args.from_csv is not None:
+        return show_csv(args.from_csv, args.costs, args.width)
     kwargs = {} if args.virtual is None else {"virtual_stages": args.virtual}
     try:
         schedule = get_schedule(args.name, args.stages, args.chunks, **kwargs)
@@ -76,9 +87,7 @@ def _schedule(argv: List[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(schedule.format_table())
-    print(f"peak in-flight (chunk, micro-batch) pairs per stage: {list(report.peak_inflight)}")
-    print(f"makespan with unit-time actions: {report.num_steps} rounds, "
-          f"bubble {report.bubble_fraction:.1%}")
+    print("\n".join(validation_lines(report)))
     return 0
 
 

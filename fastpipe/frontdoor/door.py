@@ -84,7 +84,7 @@ class FrontDoor(Training, nn.Module):
 
     def plan(self, num_microbatches: Optional[int] = None) -> Schedule:
         """The validated schedule this pipe runs for ``num_microbatches`` (default ``chunks``)."""
-        return validated_schedule(self._schedule_name, self.num_stages,
+        return validated_schedule(self.layout.fixed or self._schedule_name, self.num_stages,
                                   num_microbatches or self._chunks, self.layout.virtual_stages)
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple, Union
 
 from ..autotune import chunk_count, schedule_choice
 from ..placement import check_chunks, check_flag, check_timeout, resolve_virtual_stages
@@ -30,10 +30,11 @@ class Layout:
     timeout: float
     deferred_batch_norm: bool
     balance: Tuple[int, ...] = ()
+    fixed: Optional[Schedule] = None  # a Schedule given as schedule=: runs as given
 
     @property
     def auto_schedule(self) -> bool:
-        return self.schedule == "auto"
+        return self.schedule == "auto" and self.fixed is None
 
     @property
     def first_schedule(self) -> str:
@@ -50,12 +51,29 @@ def parse_layout(chunks: Any, checkpoint: Any, schedule: Any, virtual_stages: An
                  timeout: Any, deferred_batch_norm: Any) -> Layout:
     """The arguments both front doors take, checked (a typed error naming the argument)."""
     auto_chunks = isinstance(chunks, str) and chunks == "auto"
+    fixed = check_fixed(schedule, chunks, virtual_stages) if isinstance(schedule, Schedule) \
+        else None
     return Layout(chunks=1 if auto_chunks else check_chunks(chunks), auto_chunks=auto_chunks,
                   checkpoint=check_checkpoint(checkpoint),
-                  schedule=schedule_choice.check_name(schedule),
+                  schedule=fixed.name if fixed else schedule_choice.check_name(schedule),
                   virtual_stages=resolve_virtual_stages(virtual_stages, schedule),
                   timeout=check_timeout(timeout),
-                  deferred_batch_norm=check_flag(deferred_batch_norm, "deferred_batch_norm"))
+                  deferred_batch_norm=check_flag(deferred_batch_norm, "deferred_batch_norm"),
+                  fixed=fixed)
+
+
+def check_fixed(schedule: Schedule, chunks: Any, virtual_stages: Any) -> Schedule:
+    """A ``Schedule`` given as ``schedule=`` (e.g. ``fastpipe.schedule.read_csv``), checked
+    against ``chunks`` and ``virtual_stages``: it runs its own micro-batch count and chunks."""
+    m, v = schedule.num_microbatches, schedule.num_chunks
+    if chunks != m or isinstance(chunks, bool):
+        raise ValueError(f"chunks={chunks!r}, but the Schedule given as schedule= runs {m} "
+                         f"micro-batches; pass chunks={m}")
+    if virtual_stages is not None and virtual_stages != v:
+        raise ValueError(f"virtual_stages={virtual_stages!r}, but the Schedule given as "
+                         f"schedule= places {v} chunks per stage; pass virtual_stages={v} or "
+                         f"leave it out")
+    return schedule
 
 
 def check_checkpoint(mode: Any) -> str:
@@ -68,10 +86,13 @@ def check_checkpoint(mode: Any) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def validated_schedule(name: str, num_stages: int, num_microbatches: int,
+def validated_schedule(name: Union[str, Schedule], num_stages: int, num_microbatches: int,
                        virtual_stages: int) -> Schedule:
     """The named schedule for a layout, validated once (cached) for buffered sends: both
-    executors buffer every send (mailboxes, non-blocking p2p)."""
+    executors buffer every send (mailboxes, non-blocking p2p). A ``Schedule`` given as
+    ``schedule=`` is the schedule itself, for its own sizes only."""
+    if isinstance(name, Schedule):
+        return _fixed_sizes(name, num_stages, num_microbatches, virtual_stages)
     schedule = get_schedule(name, num_stages, num_microbatches, virtual_stages=virtual_stages)
     schedule.validate(comm="buffered")
     return schedule
@@ -82,10 +103,24 @@ def first_schedule(layout: Layout, num_stages: int) -> Tuple[int, Schedule]:
     candidate the schedule accepts) and its validated schedule on ``num_stages`` physical
     stages; raises for a schedule that cannot run the layout."""
     def plan(count: int) -> Schedule:
-        return validated_schedule(layout.first_schedule, num_stages, count,
+        return validated_schedule(layout.fixed or layout.first_schedule, num_stages, count,
                                   layout.virtual_stages)
 
     chunks = layout.chunks
     if layout.auto_chunks:
         chunks = chunk_count.first_count(num_stages, lambda m: chunk_count.accepted(plan, m))
     return chunks, plan(chunks)
+
+
+def _fixed_sizes(schedule: Schedule, num_stages: int, num_microbatches: int,
+                 virtual_stages: int) -> Schedule:
+    """A given ``Schedule`` for a pipe of these sizes, validated; ``ValueError`` for others (a
+    short batch's fewer micro-batches included)."""
+    have = (schedule.num_stages, schedule.num_microbatches, schedule.num_chunks)
+    if have != (num_stages, num_microbatches, virtual_stages):
+        raise ValueError(f"the Schedule given as schedule= ({schedule.name!r}) runs {have[0]} "
+                         f"stages, {have[1]} micro-batches and {have[2]} chunks per stage; this "
+                         f"pipe needs {num_stages}, {num_microbatches} and {virtual_stages} "
+                         f"(a batch too short for {have[1]} micro-batches cannot run it)")
+    schedule.validate(comm="buffered")
+    return schedule

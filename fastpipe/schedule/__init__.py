@@ -13,6 +13,8 @@ from .checks import ScheduleError, check_count
 from .dualpipev import dualpipev
 from .gpipe import gpipe
 from .interleaved import interleaved
+from .interchange import InterchangeError, from_actions, to_actions
+from .interchange_csv import read_csv, write_csv
 from .lockstep import run_lockstep
 from .looped_bfs import looped_bfs
 from .lower import Comm, CommGroup, CommKind, Op, Payload, SkipLink, format_program, lower
@@ -34,6 +36,7 @@ __all__ = [
     "Comm",
     "Costs",
     "Event",
+    "InterchangeError",
     "CommGroup",
     "CommKind",
     "Op",
@@ -49,6 +52,7 @@ __all__ = [
     "ValidationReport",
     "dualpipev",
     "format_program",
+    "from_actions",
     "get_schedule",
     "gpipe",
     "interleaved",
@@ -58,11 +62,14 @@ __all__ = [
     "one_f_one_b",
     "peak_inflight",
     "pipedream",
+    "read_csv",
     "recommend",
     "register_schedule",
     "run_lockstep",
     "simulate",
+    "to_actions",
     "validate",
+    "write_csv",
     "zb_h1",
     "zbv",
 ]
