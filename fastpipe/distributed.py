@@ -28,6 +28,7 @@ from .policies import compile as compiling, tied as tied_weights
 from .policies.tied import TiedWeight
 from .errors import ProcessGroupError
 from .frontdoor import Blueprint, FrontDoor, OnRanks, plan_pipeline
+from .frontdoor.layout_option import resolve_layout
 from .parallel import checkpoint as sharded_state, optimizer_names, setup as parallel_setup
 from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
 from .placement import StagesStayPut
@@ -118,6 +119,10 @@ class DistributedPipe(StagesStayPut, FrontDoor):
         output_reduction: as in ``Pipe``: how output leaves that are not one row per sample
             (a loss) combine over micro-batches, by leaf name. A rule that reads the labels
             reads them on the last stage's rank: pass the inputs there too.
+        layout: as in ``Pipe``: a Megatron-core layout string such as ``'E,t*3|t*4|t*3,L'``
+            instead of ``balance`` or ``split_points``; its stage count over the ranks gives
+            ``virtual_stages`` (stage ``k`` on rank ``k mod ranks`` with the interleaved
+            schedules, as Megatron places them).
 
     Casts (``.to(torch.bfloat16)``, ``.half()``, ``.to(device, dtype)`` on this rank's device)
     apply to this rank's layers; a move (``.to(device)``, ``.cuda()``, ``.cpu()``) raises
@@ -136,22 +141,25 @@ class DistributedPipe(StagesStayPut, FrontDoor):
                  init_weights: Optional[Callable[[nn.Module], Any]] = None,
                  tensor_parallel: Optional[parallel_setup.tensor.Plan] = None,
                  data_parallel: str = "replicate", compile: Union[bool, Dict[str, Any]] = False,
-                 output_reduction: Optional[Dict[str, Any]] = None) -> None:
+                 output_reduction: Optional[Dict[str, Any]] = None,
+                 layout: Optional[str] = None) -> None:
         super().__init__()
         compiler = compiling.check(compile)  # as takes_compiled resolved it
         par = _parallel(module, process_group, data_parallel_group, mesh=mesh,
                         tensor_parallel=tensor_parallel, data_parallel=data_parallel,
                         schedule=schedule, traced=tracing.wanted(module, split_points), tied=tied)
+        cut = resolve_layout(layout, module, OnRanks(dist.get_process_group_ranks(
+            par.pipeline_group)), balance=balance, split_points=split_points,
+            virtual_stages=virtual_stages, schedule=schedule)
         blueprint = plan_pipeline(
-            module, OnRanks(dist.get_process_group_ranks(par.pipeline_group)), chunks=chunks,
-            schedule=schedule, balance=balance, checkpoint=checkpoint, timeout=timeout,
-            virtual_stages=virtual_stages, deferred_batch_norm=deferred_batch_norm, tied=tied,
-            split_points=split_points, example_inputs=example_inputs,
-            output_reduction=output_reduction)
+            module, cut.where, chunks=chunks, schedule=schedule, balance=cut.balance,
+            checkpoint=checkpoint, timeout=timeout, virtual_stages=cut.virtual_stages,
+            deferred_batch_norm=deferred_batch_norm, tied=tied, split_points=cut.split_points,
+            example_inputs=example_inputs, output_reduction=output_reduction)
         compiling.check_modes(compiler, checkpoint=blueprint.layout.checkpoint, sharded=par.active)
         self._connect(par.pipeline_group, device, p2p)
         self._begin(blueprint, mesh=mesh)
-        self._realise(blueprint, par, compiler, init_weights, split_points)
+        self._realise(blueprint, par, compiler, init_weights, cut.split_points)
 
     def _connect(self, group: Any, device: Optional[Union[str, torch.device]],
                  p2p: str) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from .policies import compile as compiling, tied as tied_weights
 from .frontdoor import Blueprint, FrontDoor, Layout, OnDevices, plan_pipeline
+from .frontdoor.layout_option import resolve_layout
 from .placement import Device, StagesStayPut, check_flag, check_workers
 from .runtime import graphs, weight_versions
 from .runtime.drivers.in_process import InProcessDriver
@@ -94,6 +95,12 @@ class Pipe(StagesStayPut, FrontDoor):
             count its mean is over (``fastpipe.outputs``). The loss of the Hugging Face models
             ``fastpipe.hf_losses`` knows needs none; another leaf without a rule is an
             ``OutputReductionError`` naming it.
+        layout: a Megatron-core layout string (``--pipeline-model-parallel-layout``), e.g.
+            ``'E,t*3|t*4|t*3,L'``, instead of ``balance`` or ``split_points``: ``|`` ends a
+            stage; a traced model's ``E`` is what runs before its repeated blocks, each ``t``
+            one block, ``L`` what runs after them; an ``nn.Sequential``'s letters are one layer
+            each. Stages over devices give ``virtual_stages``; without ``devices``, one device
+            per stage (see ``fastpipe.frontdoor.layout_string``).
 
     The pipe casts like a module (``pipe.to(torch.bfloat16)``, ``.to(dtype=...)``,
     ``.half()``, ``.to(device, dtype)`` on the stages' own device), but its stages stay on their
@@ -111,13 +118,17 @@ class Pipe(StagesStayPut, FrontDoor):
                  vertical_sync: bool = False, cuda_graphs: bool = False,
                  split_points: Optional[Any] = None, example_inputs: Optional[Any] = None,
                  compile: Union[bool, Dict[str, Any]] = False,
-                 output_reduction: Optional[Dict[str, Any]] = None) -> None:
+                 output_reduction: Optional[Dict[str, Any]] = None,
+                 layout: Optional[str] = None) -> None:
         super().__init__()
         compiler = compiling.check(compile)  # as takes_compiled resolved it
+        cut = resolve_layout(layout, module, OnDevices(devices), balance=balance,
+                             split_points=split_points, virtual_stages=virtual_stages,
+                             schedule=schedule)
         blueprint = plan_pipeline(
-            module, OnDevices(devices), chunks=chunks, schedule=schedule, balance=balance,
-            checkpoint=checkpoint, virtual_stages=virtual_stages, timeout=timeout,
-            deferred_batch_norm=deferred_batch_norm, tied=tied, split_points=split_points,
+            module, cut.where, chunks=chunks, schedule=schedule, balance=cut.balance,
+            checkpoint=checkpoint, virtual_stages=cut.virtual_stages, timeout=timeout,
+            deferred_batch_norm=deferred_batch_norm, tied=tied, split_points=cut.split_points,
             example_inputs=example_inputs, output_reduction=output_reduction)
         workers = check_workers(cpu_workers)
         use_graphs = check_flag(cuda_graphs, "cuda_graphs")
@@ -125,7 +136,7 @@ class Pipe(StagesStayPut, FrontDoor):
                               cuda_graphs=use_graphs)
         vertical_sync = _check_vertical_sync(vertical_sync, blueprint.layout)
         self._begin(blueprint, _devices=blueprint.physical,
-                    _traced=(blueprint.traced, split_points))  # what generate() traces
+                    _traced=(blueprint.traced, cut.split_points))  # what generate() traces
         self._realise(blueprint, compiler, use_graphs, vertical_sync, workers)
 
     def _realise(self, blueprint: Blueprint, compiler: Optional[compiling.Compiler],

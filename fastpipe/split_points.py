@@ -3,6 +3,8 @@
 A split point is the name of a submodule that begins a stage. :func:`check_split_points` checks
 given names; :func:`auto_split_points` cuts the model's longest list of same-type blocks into
 stages of about equal parameter count (with the partition solver of :mod:`fastpipe.balance`).
+A layout string's letters name the same list (:func:`repeated_blocks`) and what runs after it
+(:func:`module_after`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from torch import nn
 
 from .balance import solve
 
-__all__ = ["auto_split_points", "check_split_points"]
+__all__ = ["auto_split_points", "check_split_points", "module_after", "repeated_blocks"]
 
 
 def check_split_points(module: nn.Module, split_points: Sequence[str]) -> list[str]:
@@ -33,9 +35,9 @@ def check_split_points(module: nn.Module, split_points: Sequence[str]) -> list[s
     return points
 
 
-def auto_split_points(module: nn.Module, stages: int) -> list[str]:
-    """Split points that cut the module's largest list of same-type blocks (a ``ModuleList`` or
-    ``Sequential``) into ``stages`` parts of about equal parameter count."""
+def repeated_blocks(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The module's largest list of same-type blocks (a ``ModuleList`` or ``Sequential`` of
+    more than one): its name and its blocks; ``None`` when it has none."""
     best: tuple[str, list[nn.Module]] | None = None
     for name, sub in module.named_modules():
         if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) > 1:
@@ -43,6 +45,13 @@ def auto_split_points(module: nn.Module, stages: int) -> list[str]:
             if len({type(c) for c in children}) == 1 and (best is None or
                                                           len(children) > len(best[1])):
                 best = (name, children)
+    return best
+
+
+def auto_split_points(module: nn.Module, stages: int) -> list[str]:
+    """Split points that cut the module's largest list of same-type blocks (a ``ModuleList`` or
+    ``Sequential``) into ``stages`` parts of about equal parameter count."""
+    best = repeated_blocks(module)
     if best is None:
         raise ValueError(f"split_points='auto' found no list of repeated blocks (an "
                          f"nn.ModuleList or nn.Sequential of same-type modules) in "
@@ -56,3 +65,15 @@ def auto_split_points(module: nn.Module, stages: int) -> list[str]:
     sizes = solve(costs, stages)
     starts = [sum(sizes[:k]) for k in range(1, stages)]
     return [f"{prefix}.{i}" if prefix else str(i) for i in starts]
+
+
+def module_after(module: nn.Module, prefix: str) -> str | None:
+    """The first submodule registered after ``prefix`` and everything in it (a transformer's
+    final norm after its blocks); ``None`` when there is none."""
+    inside = False
+    for name, _ in module.named_modules():
+        if prefix and (name == prefix or name.startswith(prefix + ".")):
+            inside = True
+        elif inside:
+            return name  # pre-order: the first name past prefix's subtree
+    return None
