@@ -1,4 +1,5 @@
 """Schedules shared with PyTorch's pipelining and torchtitan: action lists and CSV files."""
+import inspect
 import os
 
 import pytest
@@ -112,6 +113,11 @@ def test_pipelinings_own_checks_and_lowering_take_fastpipes_schedules():
     """The exported lists pass pipelining's ``_validate_schedule``, and its ``_add_send_recv``
     lowering of them imports back (its transfers agree with fastpipe's)."""
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    private = {"_validate_schedule": 4, "_add_send_recv": 3}  # parameters as torch 2.13 has them
+    for name, count in private.items():
+        helper = getattr(schedules, name, None)
+        if helper is None or len(inspect.signature(helper).parameters) != count:
+            pytest.skip(f"this torch's private pipelining helper {name} differs from 2.13's")
     for schedule in registry_schedules():
         total = schedule.num_virtual_stages
         actions = {r: [schedules._Action.from_str(t) for t in row]
