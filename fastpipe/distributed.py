@@ -34,6 +34,7 @@ from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
 from .placement import StagesStayPut
 from .runtime.transport import backends
 from .runtime import weight_versions
+from .schedule import Schedule
 from .runtime.transport.backends import init_process_group  # noqa: F401 - safe under torchrun restarts
 from .runtime.dist_executor import Topology
 from .runtime.drivers.per_rank import PerRankDriver, RemoteStage
@@ -62,7 +63,9 @@ class DistributedPipe(StagesStayPut, FrontDoor):
             ``'interleaved'``, ``'looped-bfs'``, ``'zb-h1'``, ``'zbv'``, ``'dualpipev'``,
             ``'pipedream'``), or ``'auto'``: the first training step runs 1F1B (looped BFS with
             virtual stages) and is traced on every rank; every rank then ranks the same
-            gathered timeline with the simulator (as ``Pipe`` does) and keeps the same choice.
+            gathered timeline with the simulator (as ``Pipe`` does) and keeps the same choice;
+            or a ``Schedule`` object (e.g. ``fastpipe.schedule.read_csv(...)``), run for exactly
+            its micro-batch count.
         balance: layers per virtual stage in model order (``ranks * virtual_stages`` entries);
             default: by parameter count for an ``nn.Sequential``, by layer count for factories.
         checkpoint: a checkpoint mode of ``Pipe`` (``'never'``, ``'except_last'``,
@@ -130,7 +133,7 @@ class DistributedPipe(StagesStayPut, FrontDoor):
     """
 
     @compiling.takes_compiled
-    def __init__(self, module: Layers, chunks: int = 1, schedule: str = "1f1b",
+    def __init__(self, module: Layers, chunks: int = 1, schedule: Union[str, Schedule] = "1f1b",
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last", *,
                  virtual_stages: Optional[int] = None, process_group: Optional[Any] = None,
                  data_parallel_group: Optional[Any] = None,

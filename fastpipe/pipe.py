@@ -17,6 +17,7 @@ from .frontdoor import Blueprint, FrontDoor, Layout, OnDevices, plan_pipeline
 from .frontdoor.layout_option import resolve_layout
 from .placement import Device, StagesStayPut, check_flag, check_workers
 from .runtime import graphs, weight_versions
+from .schedule import Schedule
 from .runtime.drivers.in_process import InProcessDriver
 from .runtime.stage import Stage
 from .autotune.workers import WorkerPolicy
@@ -49,7 +50,9 @@ class Pipe(StagesStayPut, FrontDoor):
             measures each action, and the pipe keeps the schedule the simulator predicts fastest
             for those costs (see ``fastpipe.autotune.schedule_choice``; the choice is logged and
             kept in
-            ``auto_ranking``).
+            ``auto_ranking``), or a ``Schedule`` object (e.g. ``fastpipe.schedule.read_csv(...)``:
+            one written by PyTorch's pipelining or torchtitan), run for exactly its micro-batch
+            count.
         virtual_stages: model chunks per device, for interleaved and V-shaped schedules; then
             ``balance`` lists ``len(devices) * virtual_stages`` chunk sizes in model order and
             the schedule's placement decides which device holds which chunk. Default: 2 for
@@ -112,7 +115,7 @@ class Pipe(StagesStayPut, FrontDoor):
     def __init__(self, module: nn.Sequential, chunks: Union[int, str] = 1,
                  devices: Optional[Sequence[Device]] = None,
                  balance: Optional[Sequence[int]] = None, checkpoint: str = "except_last",
-                 schedule: str = "gpipe", *, virtual_stages: Optional[int] = None,
+                 schedule: Union[str, Schedule] = "gpipe", *, virtual_stages: Optional[int] = None,
                  timeout: float = 300.0, cpu_workers: Optional[int] = None,
                  deferred_batch_norm: bool = False, tied: Sequence[Sequence[Any]] = (),
                  vertical_sync: bool = False, cuda_graphs: bool = False,
