@@ -25,11 +25,13 @@ class Traced(NamedTuple):
     output: fx.Node
 
 
-def _stage_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node, int]:
+def stage_of_nodes(graph: fx.Graph, split_points: Sequence[str],
+                   prefix: str = "") -> dict[fx.Node, int]:
     """Stage of every computing node: split point ``k`` begins stage ``k + 1``; nodes between
     blocks stay in the current stage; a node of an earlier split module after a later one is
-    an error (split points out of execution order)."""
-    index = {p: k + 1 for k, p in enumerate(split_points)}
+    an error (split points out of execution order). ``prefix``: what the graph's module paths
+    start with before the model's own names (a wrapper's attribute)."""
+    index = {f"{prefix}{p}": k + 1 for k, p in enumerate(split_points)}
     stage_of: dict[fx.Node, int] = {}
     current = 0
     for node in graph.nodes:
@@ -70,7 +72,7 @@ def plan(gm: fx.GraphModule, split_points: Sequence[str]
     """Stages of the nodes, and the carries: ``carries[k]`` lists (in graph order) the values
     defined up to stage ``k`` that a later stage reads; ``carries[-1]`` are the outputs."""
     graph = gm.graph
-    stage_of = _stage_of_nodes(graph, split_points)
+    stage_of = stage_of_nodes(graph, split_points)
     for node in graph.nodes:
         if node.op == "placeholder":
             stage_of[node] = 0
@@ -84,15 +86,24 @@ def plan(gm: fx.GraphModule, split_points: Sequence[str]
     return stage_of, carries, output
 
 
-def _stage_fx_graph(gm: fx.GraphModule, stage: int, stage_of: dict[fx.Node, int],
-                    carries: list[list[fx.Node]], output: fx.Node) -> fx.Graph:
-    """The graph of one stage, dead code left in: placeholders for its inputs (the model's
-    inputs for stage 0, the previous carry otherwise), its own operations and the parameters
-    they read, and its carry (or the model's outputs) as output."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+def stage_graph(gm: fx.GraphModule, stage: int, stage_of: dict[fx.Node, int],
+                carries: list[list[fx.Node]], output: fx.Node) -> fx.GraphModule:
+    """One stage's graph as a module reading ``gm``'s tensors under their own names: the
+    model's inputs for stage 0, the previous carry otherwise; its carry (or the model's
+    outputs) as output."""
     inputs = ([n for n in gm.graph.nodes if n.op == "placeholder"] if stage == 0
               else carries[stage - 1])
+    outs = list(output.args[0]) if stage == len(carries) else carries[stage]
+    return graph_of_stage(gm, stage, stage_of, inputs, outs, f"Stage{stage}")
+
+
+def graph_of_stage(gm: fx.GraphModule, stage: int, stage_of: Mapping[fx.Node, int],
+                   inputs: Sequence[fx.Node], outs: Sequence[object],
+                   class_name: str) -> fx.GraphModule:
+    """The module of ``gm``'s nodes in ``stage`` (and the parameters they read): placeholders
+    for ``inputs``, ``outs`` as its output, dead code eliminated."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
         env[node] = graph.placeholder(f"in_{i}_{node.name}")
         env[node].meta = dict(node.meta)
@@ -100,24 +111,16 @@ def _stage_fx_graph(gm: fx.GraphModule, stage: int, stage_of: dict[fx.Node, int]
     def lookup(node: fx.Node) -> fx.Node:
         if node not in env:
             if node.op != "get_attr":
-                raise RuntimeError(f"internal: {node} is neither carried nor local")
+                raise RuntimeError(f"internal: {node} is neither an input of stage {stage} "
+                                   f"nor computed there")
             env[node] = graph.node_copy(node, lookup)
         return env[node]
 
     for node in gm.graph.nodes:
         if stage_of.get(node) == stage and node.op not in ("placeholder", "output"):
             env[node] = graph.node_copy(node, lookup)
-    last = stage == len(carries)
-    outs = list(output.args[0]) if last else carries[stage]
     graph.output(tuple(fx.map_arg(o, lookup) if isinstance(o, fx.Node) else o for o in outs))
-    return graph
-
-
-def stage_graph(gm: fx.GraphModule, stage: int, stage_of: dict[fx.Node, int],
-                carries: list[list[fx.Node]], output: fx.Node) -> fx.GraphModule:
-    """One stage's graph as a module reading ``gm``'s tensors under their own names."""
-    graph = _stage_fx_graph(gm, stage, stage_of, carries, output)
-    result = fx.GraphModule(gm, graph, class_name=f"Stage{stage}")
+    result = fx.GraphModule(gm, graph, class_name=class_name)
     result.graph.eliminate_dead_code()
     result.recompile()
     return result

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import fx
 
-from ..graph_cut import split_stages_of
+from ..graph_cut import graph_of_stage, stage_of_nodes
 
 ROOT = "model"  # the StepModule's attribute holding the model: a prefix of every module path
 
@@ -52,29 +52,13 @@ class Cut:
 
 
 # ------------------------------------------------------------------------------ the cut
-def stage_of_nodes(graph: fx.Graph, split_points: Sequence[str]) -> Dict[fx.Node, int]:
-    """Stage of every computing node, by ``fastpipe.tracing``'s rule: split point ``k`` begins
-    stage ``k + 1``, a node between blocks stays in the current stage."""
-    index = {f"{ROOT}.{p}": k + 1 for k, p in enumerate(split_points)}
-    stage_of: Dict[fx.Node, int] = {}
-    current = 0
-    for node in graph.nodes:
-        if node.op in ("placeholder", "get_attr", "output"):
-            continue
-        found = split_stages_of(node, index)
-        if found:
-            current = max(current, max(found))
-        stage_of[node] = current
-    return stage_of
-
-
 def cut(gm: fx.GraphModule, split_points: Sequence[str], num_inputs: int) -> Cut:
     """Cut a traced step (placeholders: ``num_inputs`` model inputs, then the cache tensors;
     outputs: the logits, then the new cache tensors) into one graph per stage."""
     graph = gm.graph
     _drop_guards(gm)
     last = len(split_points)
-    stage_of = stage_of_nodes(graph, split_points)
+    stage_of = stage_of_nodes(graph, split_points, prefix=f"{ROOT}.")
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     inputs, cache_in = placeholders[:num_inputs], placeholders[num_inputs:]
     output = next(n for n in graph.nodes if n.op == "output")
@@ -100,7 +84,8 @@ def cut(gm: fx.GraphModule, split_points: Sequence[str], num_inputs: int) -> Cut
         first = inputs if k == 0 else carries[k - 1]
         outs = (carries[k] if k < last else [logits]) + [cache_out[j] for j in slots]
         own = [cache_in[j] for j in slots] if cache_in else []
-        stages.append(StageStep(k, _stage_graph(gm, k, stage_of, first + own, outs), slots))
+        stages.append(StageStep(k, graph_of_stage(gm, k, stage_of, first + own, outs,
+                                                     f"DecodeStage{k}"), slots))
     return Cut(stages, owners)
 
 
@@ -204,29 +189,3 @@ def _needed_after(node: fx.Node, k: int, stage_of: Dict[fx.Node, int],
     if needs.get(node, -1) > k:
         return True
     return any(stage_of.get(u, -1) > k for u in node.users if u is not output)
-
-
-def _stage_graph(gm: fx.GraphModule, stage: int, stage_of: Dict[fx.Node, int],
-                 inputs: List[fx.Node], outs: List[Any]) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: Dict[fx.Node, fx.Node] = {}
-    for i, node in enumerate(inputs):
-        env[node] = graph.placeholder(f"in_{i}_{node.name}")
-        env[node].meta = dict(node.meta)
-
-    def lookup(node: fx.Node) -> fx.Node:
-        if node not in env:
-            if node.op != "get_attr":
-                raise StepError(f"internal: {node} is neither an input of stage {stage} nor "
-                                f"computed there")
-            env[node] = graph.node_copy(node, lookup)
-        return env[node]
-
-    for node in gm.graph.nodes:
-        if stage_of.get(node) == stage and node.op not in ("placeholder", "output"):
-            env[node] = graph.node_copy(node, lookup)
-    graph.output(tuple(fx.map_arg(o, lookup) if isinstance(o, fx.Node) else o for o in outs))
-    result = fx.GraphModule(gm, graph, class_name=f"DecodeStage{stage}")
-    result.graph.eliminate_dead_code()
-    result.recompile()
-    return result

@@ -115,7 +115,9 @@ class LocalExecutor:
                               functools.partial(self._run_action, step, w))
                        for w, group in enumerate(self.groups)]
             if len(workers) == 1 and self.strategy.inline:
-                self._work(step, workers[0])  # nothing to overlap with: no thread hand-off
+                # nothing to overlap with: no thread hand-off. Nor a watchdog: an action stuck
+                # in user code blocks the caller, as in the plain model (there is no peer)
+                self._work(step, workers[0])
                 return
             jobs = [self._pool.submit(self._work, step, worker) for worker in workers]
             self._watch(jobs, step)
@@ -152,18 +154,22 @@ class LocalExecutor:
         handler = (step.handlers or self.handlers)[action.kind]
         if (getattr(stage, "plain", False) and step.recorder is None
                 and not self.strategy.surrounds_actions and not profiling()):
-            self._attempt(step, worker, stage, action, handler)  # the common CPU case
+            self._attempt(step, worker, stage, action, handler, False)  # the common CPU case
             return
         with self.strategy.around_action(step, stage, action):
-            self._attempt(step, worker, stage, action, _Observed(handler))
+            self._attempt(step, worker, stage, action, handler, True)
 
     def _attempt(self, step: StepState, worker: int, stage: Stage, action: Action,
-                 handler: Handler) -> None:
-        """Run one action's handler, counted; a failure aborts the step, its error located."""
+                 handler: Handler, observed: bool) -> None:
+        """Run one action's handler (``observed``: in its stage's context, a profiler range,
+        and the trace), counted; a failure aborts the step, its error located."""
         step.progress[action.stage] = ("running", action)
         start = time.perf_counter()
         try:
-            handler(step, stage, action)
+            if observed:
+                _observed(step, stage, action, handler)
+            else:
+                handler(step, stage, action)
         except (PipelineError, LossFunctionError) as error:
             step.abort.trip(f"stage {action.stage} failed in action {action}: {error}")
             raise
@@ -200,19 +206,14 @@ class LocalExecutor:
 Wait = Callable[[StepState, Worker, Pending, float], None]
 
 
-class _Observed:
-    """A handler run in the stage's stream and compiler settings, in a profiler range, and
+def _observed(step: StepState, stage: Stage, action: Action, handler: Handler) -> None:
+    """``handler`` in the stage's stream and compiler settings, in a profiler range, and
     recorded when the pipe is traced."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-
-    def __call__(self, step: StepState, stage: Stage, action: Action) -> None:
-        with stage.context(), action_range(stage, action):
-            token = step.recorder.begin(stage) if step.recorder else None
-            self.handler(step, stage, action)
-        if step.recorder:
-            step.recorder.end(stage, action, token)
+    with stage.context(), action_range(stage, action):
+        token = step.recorder.begin(stage) if step.recorder else None
+        handler(step, stage, action)
+    if step.recorder:
+        step.recorder.end(stage, action, token)
 
 
 def run_when_ready(step: StepState, worker: Worker, wait: Wait) -> None:
