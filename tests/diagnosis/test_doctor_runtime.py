@@ -178,7 +178,8 @@ def _cli(path, *extra) -> int:
 
 
 def test_the_command_line_reports_a_saved_trace(tmp_path, capsys):
-    pipe = sleepy_pipe(slow_stage=0)
+    # sleeps long enough that the fixed costs of a step (a busy machine's) do not hide the gain
+    pipe = sleepy_pipe(slow_stage=0, unit=0.005)
     with pipe.trace() as t:
         pipe.train_step(*batch(), mse)
     t.contexts[0] = dataclasses.replace(t.contexts[0], load=0.0)  # see QUIET
