@@ -140,6 +140,7 @@ def test_the_private_name_check_sees_a_planted_one():
 LAYERS = [
     ("fastpipe.errors", "fastpipe.version", "fastpipe.schedule"),
     ("fastpipe._native", "fastpipe.ops"),
+    ("fastpipe.streams",),
     ("fastpipe.skip.api", "fastpipe.skip.layout"),
     ("fastpipe.microbatch", "fastpipe.balance", "fastpipe.placement", "fastpipe.nn",
      "fastpipe.tracing", "fastpipe.materialise", "fastpipe.memory", "fastpipe.outputs",

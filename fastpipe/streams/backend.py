@@ -1,0 +1,154 @@
+"""The one interface through which fastpipe orders GPU work: streams, events, the caching
+allocator's stream records, device guards, and the allocations and copies whose stream matters.
+
+Every place that orders work across streams (a stream protocol: the stage hand-off, offload out
+and in, the grouped exchange's pack, send and receive, graph capture, the loss scaler's flag) is
+a small seam in :mod:`fastpipe.streams` that performs its operations through a
+:class:`StreamBackend` it is given. On a GPU that is :data:`CUDA` (torch's own calls); on the
+CPU it is :data:`HOST`, where every operation is a no-op or a plain copy, so the same seam runs
+on every device. The tests hand a seam a recording backend instead and check the happens-before
+relations a GPU needs on the exact sequence of operations the seam issued.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Optional, Protocol, Sequence
+
+import torch
+
+__all__ = ["CUDA", "HOST", "CudaBackend", "HostBackend", "StreamBackend", "backend_for"]
+
+_NOTHING = contextlib.nullcontext()
+
+
+class StreamBackend(Protocol):
+    """Stream, event, allocator and device-guard operations (see the module docstring).
+
+    Streams and events are opaque: a seam only passes back what the backend gave it. An
+    allocation (``empty``) belongs to the stream current on its device when it is made, as the
+    caching allocator's blocks do; ``copy`` is issued on the current stream of ``dst``'s device.
+    """
+
+    def current(self, device: torch.device) -> Any:
+        """The stream current on ``device`` on this thread (``None`` where there are none)."""
+
+    def new_stream(self, device: torch.device) -> Any:
+        """A new side stream of ``device``."""
+
+    def using(self, stream: Any) -> ContextManager[Any]:
+        """Make ``stream`` current on its device inside the block."""
+
+    def on_device(self, device: torch.device) -> ContextManager[Any]:
+        """Make ``device`` the current device inside the block (a device guard)."""
+
+    def wait_stream(self, waiter: Any, producer: Any) -> None:
+        """Work issued on ``waiter`` from now on starts after all work queued on ``producer``."""
+
+    def record_event(self, stream: Any) -> Any:
+        """An event marking the work queued on ``stream`` so far."""
+
+    def wait_event(self, waiter: Any, event: Any) -> None:
+        """Work issued on ``waiter`` from now on starts after ``event``."""
+
+    def done(self, event: Any) -> bool:
+        """Whether ``event`` has completed (never blocks)."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor``'s memory: it is not
+        handed out again until the work queued on ``stream`` so far has finished."""
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+        """An uninitialised tensor, from the pool of the stream current on ``device``."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
+        """``dst.copy_(src)``, issued on the current stream (of the device the copy runs on)."""
+
+
+class HostBackend:
+    """The CPU form: no streams, so ordering is program order; copies run at once."""
+
+    def current(self, device: torch.device) -> Optional[Any]:
+        return None
+
+    def new_stream(self, device: torch.device) -> Optional[Any]:
+        return None
+
+    def using(self, stream: Any) -> ContextManager[Any]:
+        return _NOTHING
+
+    def on_device(self, device: torch.device) -> ContextManager[Any]:
+        return _NOTHING
+
+    def wait_stream(self, waiter: Any, producer: Any) -> None:
+        pass
+
+    def record_event(self, stream: Any) -> Optional[Any]:
+        return None
+
+    def wait_event(self, waiter: Any, event: Any) -> None:
+        pass
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
+        dst.copy_(src)
+
+
+class CudaBackend:
+    """torch's CUDA calls, one for one."""
+
+    def current(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def using(self, stream: Any) -> ContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def on_device(self, device: torch.device) -> ContextManager[Any]:
+        return torch.cuda.device(device)
+
+    def wait_stream(self, waiter: Any, producer: Any) -> None:
+        if waiter != producer:
+            waiter.wait_stream(producer)
+
+    def record_event(self, stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait_event(self, waiter: Any, event: Any) -> None:
+        waiter.wait_event(event)
+
+    def done(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pin_memory)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+HOST = HostBackend()
+CUDA = CudaBackend()
+
+
+def backend_for(device: torch.device) -> StreamBackend:
+    """The backend of a stage on ``device``: CUDA's calls on a CUDA device, else the host's."""
+    return CUDA if torch.device(device).type == "cuda" else HOST
