@@ -9,7 +9,8 @@
 
 Each prints one line per schedule (worst relative gradient error, loss error) and fails
 (non-zero exit) on any mismatch beyond fp32 tolerance, or (distributed) when a step of the
-grouped transport read a device buffer on the host (it should make none: the host runs ahead).
+grouped transport read device buffers on the host more than once: the transport reads none,
+and the close of a step reads once, for the check of ``nonfinite='raise'`` (the default).
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def distributed_over_nccl() -> None:
                   f"error {worst:.1e}), median step {step * 1e3:.2f} ms, host reads per step "
                   f"(first, then steady, per rank) {[(r[0], max(r[1:])) for r in every]}",
                   flush=True)
-        assert all(n == 0 for r in every for n in r), f"{name}: host reads per step {every}"
+        assert all(n == 1 for r in every for n in r), f"{name}: host reads per step {every}"
     dist.destroy_process_group()
 
 

@@ -6,7 +6,9 @@ ratio eager / fused (above 1: the kernel is faster).
 
 GPU (``--gpu``): the Triton kernels' effective bandwidth (bytes each must move / time) against a
 measured device copy, eager and torch.compile; then one transformer stage (fused blocks) trained
-with checkpoint never / always / selective: step time and peak activation memory.
+with checkpoint never / always / selective: step time and peak activation memory. ``--quick``:
+small shapes, 3 rounds, no torch.compile column (its cold compiles take most of a minute) and a
+small stage: a check that every kernel runs, in seconds.
 
     python benchmarks/ops.py [--quick] [--rounds 20] [--gpu]
 """
@@ -85,32 +87,38 @@ def cpu(shape: Tuple[int, ...], rounds: int) -> None:
     print(table(["op", "pass", "C++ kernel ms", "eager ms", "eager / kernel"], rows))
 
 
-def gpu_ops(shape: Tuple[int, ...], rounds: int) -> None:
+def gpu_ops(shape: Tuple[int, ...], rounds: int, compiled: bool = True) -> None:
     rows = []
     probe = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
     copy_t = median(time_interleaved({"copy": _synced(lambda: probe.clone())}, rounds)["copy"])
     copy_bw = 2 * probe.numel() * probe.element_size() / copy_t / 1e9
     for name, (fused, eager, inputs, nbytes) in cases(shape, "cuda", torch.bfloat16).items():
-        compiled = torch.compile(eager)
-        times = time_interleaved({"triton": _synced(_fwd(fused)), "eager": _synced(_fwd(eager)),
-                                  "compile": _synced(_fwd(compiled))}, rounds)
-        t_ms, e_ms, c_ms = (median(times[k]) * 1e3 for k in ("triton", "eager", "compile"))
+        candidates = {"triton": _synced(_fwd(fused)), "eager": _synced(_fwd(eager))}
+        if compiled:
+            candidates["compile"] = _synced(_fwd(torch.compile(eager)))
+        times = time_interleaved(candidates, rounds)
+        t_ms, e_ms = (median(times[k]) * 1e3 for k in ("triton", "eager"))
+        c_ms = f"{median(times['compile']) * 1e3:.3f}" if compiled else "not run (--quick)"
         bw = nbytes / (t_ms / 1e3) / 1e9
-        rows.append([name, f"{t_ms:.3f}", f"{bw:.0f}", f"{bw / copy_bw:.2f}", f"{e_ms:.3f}",
-                     f"{c_ms:.3f}"])
+        rows.append([name, f"{t_ms:.3f}", f"{bw:.0f}", f"{bw / copy_bw:.2f}", f"{e_ms:.3f}", c_ms])
     print(f"GPU {torch.cuda.get_device_name()}; shape {shape} bfloat16, forward; copy bandwidth "
           f"{copy_bw:.0f} GB/s; median of {rounds} interleaved rounds")
     print(table(["op", "triton ms", "triton GB/s", "of copy bw", "eager ms", "compile ms"], rows))
 
 
-def gpu_stage(rounds: int) -> None:
+# blocks, dim, heads, batch, sequence of the stage gpu_stage trains
+STAGE = {"full": (4, 1024, 16, 16, 512), "quick": (2, 256, 4, 4, 128)}
+
+
+def gpu_stage(rounds: int, size: str = "full") -> None:
     """One pipeline stage of fused transformer blocks: step time and peak memory per mode."""
     from fastpipe.apps.models import Block
+    blocks, dim, heads, batch, seq = STAGE[size]
     rows = []
-    x, y = torch.randn(16, 512, 1024, device="cuda"), torch.randn(16, 512, 1024, device="cuda")
+    x, y = torch.randn(batch, seq, dim, device="cuda"), torch.randn(batch, seq, dim, device="cuda")
     for mode in ("never", "always", "selective"):
         torch.manual_seed(0)
-        model = nn.Sequential(*[Block(1024, 16, 0.1, fused=True) for _ in range(4)])
+        model = nn.Sequential(*[Block(dim, heads, 0.1, fused=True) for _ in range(blocks)])
         pipe = fastpipe.Pipe(model, chunks=4, devices=["cuda"], checkpoint=mode)
         step = _synced(lambda pipe=pipe: pipe.train_step(x, y, nn.MSELoss()))
         step()
@@ -120,7 +128,8 @@ def gpu_stage(rounds: int) -> None:
         peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
         rows.append([mode, f"{median(times) * 1e3:.1f}", f"{peak:.0f}"])
         del pipe, model
-    print("4 fused blocks (dim 1024, 16 heads), batch 16 x 512, 4 micro-batches, fp32")
+    print(f"{blocks} fused blocks (dim {dim}, {heads} heads), batch {batch} x {seq}, "
+          "4 micro-batches, fp32")
     print(table(["checkpoint", "step ms", "peak memory above weights MiB"], rows))
 
 
@@ -137,8 +146,8 @@ def main() -> None:
         return
     if not torch.cuda.is_available() or not backend.triton_available():
         raise SystemExit("--gpu needs a CUDA device and Triton")
-    gpu_ops(shape, rounds)
-    gpu_stage(max(3, rounds // 4))
+    gpu_ops(shape, rounds, compiled=not args.quick)
+    gpu_stage(max(3, rounds // 4), "quick" if args.quick else "full")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,23 @@ def _attempt() -> None:
         )
         return
     _register_python_side()
+    _warn_without_cuda_paths(_module)
+
+
+def _warn_without_cuda_paths(module: ModuleType) -> None:
+    """Warns once when torch sees a GPU but the library was built without its CUDA paths (the
+    build said why in one line): transfers to and from CUDA devices then use PyTorch's copies."""
+    import torch
+
+    if getattr(module, "built_with_cuda", True) or not torch.cuda.is_available():
+        return
+    warnings.warn(
+        f"fastpipe: {_MODULE_NAME} was built without its CUDA paths (built beside a torch "
+        "without CUDA, or without the CUDA runtime's headers; `pip install -e . "
+        "--no-build-isolation -v` prints why); CUDA transfers use PyTorch's copies",
+        FastpipeNativeWarning,
+        stacklevel=4,
+    )
 
 
 def _register_python_side() -> None:

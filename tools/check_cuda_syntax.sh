@@ -2,8 +2,9 @@
 # Compile-only check of the CUDA build's C++ sources on a machine without a GPU or a CUDA torch
 # (CI): `g++ -fsyntax-only -DFASTPIPE_WITH_CUDA=1` of csrc/cuda/*.cpp and of every other source
 # with a FASTPIPE_WITH_CUDA branch, against the installed (CPU) torch's headers, which include
-# c10/cuda, and the CUDA toolkit's headers. csrc/cuda/*.cu files, if any, go through
-# `nvcc -c -o /dev/null`. About 20-40 s on 2 cores.
+# c10/cuda, and the CUDA runtime's headers: a CUDA toolkit's, else the ones Triton bundles.
+# csrc/cuda/*.cu files, if any, go through a toolkit's `nvcc -c -o /dev/null`. About 20-40 s on
+# 2 cores.
 #
 # What it catches: syntax, types, overloads and template instantiation in the CUDA-only code
 # against the torch version installed. What it does not: linking and loading the CUDA library
@@ -11,7 +12,7 @@
 # (benchmarks/gpu_check.sh on a GPU).
 #
 #   tools/check_cuda_syntax.sh [python]      (default: python3; exits 0 with SKIPPED, naming
-#                                             why, when no CUDA toolkit headers are found)
+#                                             why, when no CUDA runtime headers are found)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
@@ -23,6 +24,9 @@ cuda_include() {
     candidates+=("$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")")
   fi
   candidates+=($(ls -d /usr/local/cuda /usr/local/cuda-* 2>/dev/null | sort -rV))
+  # no toolkit: the CUDA runtime headers (crt/ included) Triton bundles for its launcher
+  candidates+=($("$PY" -c "import importlib.util as u, os; s = u.find_spec('triton')
+print(os.path.join(s.submodule_search_locations[0], 'backends', 'nvidia') if s else '')" 2>/dev/null))
   for root in "${candidates[@]}"; do
     if [ -f "$root/include/cuda_runtime_api.h" ]; then
       echo "$root"
@@ -33,8 +37,8 @@ cuda_include() {
 
 CUDA_ROOT="$(cuda_include || true)"
 if [ -z "$CUDA_ROOT" ]; then
-  echo "check_cuda_syntax: SKIPPED: no CUDA toolkit headers (cuda_runtime_api.h) found;" \
-    "set CUDA_HOME to a CUDA toolkit to check the CUDA sources"
+  echo "check_cuda_syntax: SKIPPED: no CUDA runtime headers (cuda_runtime_api.h) found;" \
+    "set CUDA_HOME to a CUDA toolkit, or install Triton, to check the CUDA sources"
   exit 0
 fi
 

@@ -100,6 +100,21 @@ def test_failed_import_uses_reference_path(fresh_loader, monkeypatch):
         transfer_mod.transfer([x], "meta", use_native=True)
 
 
+@pytest.mark.parametrize("with_cuda", [False, True])
+def test_a_library_without_cuda_paths_beside_a_gpu_warns(fresh_loader, monkeypatch, with_cuda):
+    library = type(sys)("fastpipe._C")
+    library.built_with_cuda = with_cuda
+    monkeypatch.setattr(fresh_loader, "_import", lambda: library)
+    monkeypatch.setattr(fresh_loader, "_hooks", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fresh_loader.load()
+    said = [str(w.message) for w in caught if w.category is fresh_loader.FastpipeNativeWarning]
+    assert len(said) == (0 if with_cuda else 1)
+    assert with_cuda or "built without its CUDA paths" in said[0]
+
+
 def test_disable_env_is_reported_without_warning(fresh_loader, monkeypatch):
     monkeypatch.setenv(_native.DISABLE_ENV, "1")
     monkeypatch.setattr(fresh_loader, "_import", lambda: pytest.fail("import attempted"))
