@@ -1,17 +1,22 @@
 """Triton kernels of the fused ops (GPU), with launchers named and shaped like the functions of
 ``fastpipe.ops.reference``. Importing this module imports Triton (ImportError without it).
 
-Element-wise kernels cover the flattened tensor in blocks; the normalisations run one program
-per tile of rows (the backward writes per-program weight-gradient partial sums, reduced by
-PyTorch). Arithmetic is in float32; float64 inputs take the reference path. The
+Element-wise kernels cover the flattened tensor in blocks; the normalisations cut the rows into
+blocks of whole rows. The forward runs one program per row block; the backward runs a bounded
+number of programs (a few per SM), each looping over every so-many row blocks and accumulating
+its weight- and bias-gradient partial sums in registers, so the partial buffers PyTorch reduces
+are (programs x features), not (rows x features). Row offsets are int64 (rows x features passes
+2^31 in large activations), and the warps per program grow with the row block so that wide rows
+do not spill registers. Arithmetic is in float32; float64 inputs take the reference path. The
 dropout hash mirrors ``fastpipe.ops.reference.dropout_keep`` in int64 arithmetic, bit for bit.
 Under ``TRITON_INTERPRET=1`` (set before Triton is imported) they run on the CPU, with larger
 blocks since the interpreter's cost is per program.
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import torch
 import triton
@@ -22,8 +27,11 @@ from . import reference
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 ELEMENT_BLOCK = 16384 if INTERPRETED else 1024
-TILE_ELEMENTS = 65536 if INTERPRETED else 4096  # rows x features of one norm program
+GPU_TILE_ELEMENTS = 4096  # rows x features of one norm row block on a GPU
+TILE_ELEMENTS = 65536 if INTERPRETED else GPU_TILE_ELEMENTS
 MAX_FEATURES = 65536  # one row must fit in one block
+RESIDENT_WARPS = 32  # warps per SM the norm backward aims for: enough to hide memory latency
+HOST_PROGRAMS = 4  # norm backward programs off CUDA (the interpreter): each loops over row blocks
 
 
 @triton.jit
@@ -105,9 +113,10 @@ def _swiglu_kernel(GATE, UP, D, OUT, OUT_UP, numel, BACKWARD: tl.constexpr, BLOC
 
 
 @triton.jit
-def _tile(X, rows, n, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Offsets and mask of this program's tile of ROWS rows by BLOCK_N columns."""
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+def _tile(block, rows, n, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets and mask of row block ``block``: ROWS rows by BLOCK_N columns. The row index is
+    int64 before it is multiplied by n, so offsets past 2^31 do not wrap."""
+    r = tl.cast(block, tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     ok = (r[:, None] < rows) & (cols[None, :] < n)
     return r[:, None] * n + cols[None, :], ok, cols < n
@@ -127,7 +136,7 @@ def _tile_stats(x, ok, n, eps, CENTRE: tl.constexpr):
 @triton.jit
 def _norm_forward_kernel(X, W, B, OUT, rows, n, eps, CENTRE: tl.constexpr, ROWS: tl.constexpr,
                          BLOCK_N: tl.constexpr):
-    offs, ok, col_ok = _tile(X, rows, n, ROWS, BLOCK_N)
+    offs, ok, col_ok = _tile(tl.program_id(0), rows, n, ROWS, BLOCK_N)
     cols = tl.arange(0, BLOCK_N)
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
     mean, rstd = _tile_stats(x, ok, n, eps, CENTRE)
@@ -138,9 +147,11 @@ def _norm_forward_kernel(X, W, B, OUT, rows, n, eps, CENTRE: tl.constexpr, ROWS:
 
 
 @triton.jit
-def _norm_backward_kernel(D, X, W, DX, DW, DB, rows, n, eps, CENTRE: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    offs, ok, col_ok = _tile(X, rows, n, ROWS, BLOCK_N)
+def _norm_backward_tile(D, X, W, DX, block, rows, n, eps, CENTRE: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes the input gradient of row block ``block``; returns its weight- and bias-gradient
+    column sums."""
+    offs, ok, col_ok = _tile(block, rows, n, ROWS, BLOCK_N)
     cols = tl.arange(0, BLOCK_N)
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
     d = tl.load(D + offs, mask=ok, other=0.0).to(tl.float32)
@@ -153,10 +164,25 @@ def _norm_backward_kernel(D, X, W, DX, DW, DB, rows, n, eps, CENTRE: tl.constexp
     else:
         dx = rstd * (dy - xhat * mean_dy_xhat)
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok)
+    return tl.sum(d * xhat, axis=0), tl.sum(d, axis=0)
+
+
+@triton.jit
+def _norm_backward_kernel(D, X, W, DX, DW, DB, rows, n, eps, row_blocks, CENTRE: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     program = tl.program_id(0)
-    tl.store(DW + program * n + cols, tl.sum(d * xhat, axis=0), mask=col_ok)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for block in range(program, row_blocks, tl.num_programs(0)):
+        block_dw, block_db = _norm_backward_tile(D, X, W, DX, block, rows, n, eps, CENTRE, ROWS,
+                                                 BLOCK_N)
+        dw += block_dw
+        db += block_db
+    cols = tl.arange(0, BLOCK_N)
+    out = program.to(tl.int64) * n + cols
+    tl.store(DW + out, dw, mask=cols < n)
     if CENTRE:
-        tl.store(DB + program * n + cols, tl.sum(d, axis=0), mask=col_ok)
+        tl.store(DB + out, db, mask=cols < n)
 
 
 # --- launchers (the signatures of fastpipe.ops.reference) ----------------------------------------
@@ -232,40 +258,85 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Ten
     return grad_gate, grad_up
 
 
+class NormLaunch(NamedTuple):
+    """How a normalisation over ``rows`` rows of ``n`` features is cut and launched: row blocks
+    of ``block_rows`` x ``block_n``, ``num_warps`` per program, the forward's one program per
+    row block, the backward's ``backward_programs`` (the rows of its partial-sum buffers)."""
+
+    block_n: int
+    block_rows: int
+    row_blocks: int
+    backward_programs: int
+    num_warps: int
+
+
 def _row_block(n: int) -> int:
     if n > MAX_FEATURES:
         raise NotImplementedError(f"fastpipe triton norms: {n} features exceed {MAX_FEATURES}")
     return triton.next_power_of_2(n)
 
 
-def _rows_per_program(block_n: int) -> int:
-    """Rows in one program's tile (a power of two, at least 1)."""
-    return max(1, TILE_ELEMENTS // block_n)
+def _num_warps(tile_elements: int) -> int:
+    """Warps for a tile, growing with it so that each thread holds at most a few dozen values
+    per tensor (4 warps for a 65536-wide row would spill registers)."""
+    if tile_elements >= 32768:
+        return 32
+    if tile_elements >= 8192:
+        return 16
+    if tile_elements >= 2048:
+        return 8
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _backward_programs(row_blocks: int, num_warps: int, device: torch.device) -> int:
+    """The norm backward's programs: a few per SM on CUDA (``RESIDENT_WARPS`` warps each),
+    ``HOST_PROGRAMS`` elsewhere, never more than there are row blocks."""
+    if device.type == "cuda":
+        cap = _sm_count(device) * max(1, RESIDENT_WARPS // num_warps)
+    else:
+        cap = HOST_PROGRAMS
+    return max(1, min(row_blocks, cap))
+
+
+def norm_launch(rows: int, n: int, device: torch.device) -> NormLaunch:
+    """The launch of a normalisation over ``rows`` x ``n`` on ``device``."""
+    block_n = _row_block(n)
+    block_rows = max(1, TILE_ELEMENTS // block_n)  # a power of two, as block_n is
+    row_blocks = triton.cdiv(rows, block_rows)
+    num_warps = _num_warps(block_rows * block_n)
+    return NormLaunch(block_n, block_rows, row_blocks,
+                      _backward_programs(row_blocks, num_warps, device), num_warps)
 
 
 def _norm_forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float, centre: bool) -> Tensor:
     x, out = x.contiguous(), torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n = _features(x)
-    rows, block_n = x.numel() // max(n, 1), _row_block(n)
-    tile_rows = _rows_per_program(block_n)
-    _norm_forward_kernel[(triton.cdiv(rows, tile_rows),)](
+    rows = x.numel() // max(n, 1)
+    launch = norm_launch(rows, n, x.device)
+    _norm_forward_kernel[(launch.row_blocks,)](
         x, weight.contiguous(), bias.contiguous(), out, rows, n, eps, CENTRE=centre,
-        ROWS=tile_rows, BLOCK_N=block_n)
+        ROWS=launch.block_rows, BLOCK_N=launch.block_n, num_warps=launch.num_warps)
     return out
 
 
 def _norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float, centre: bool
                    ) -> Tuple[Tensor, Tensor, Tensor]:
     x, n = x.contiguous(), _features(x)
-    rows, block_n = x.numel() // max(n, 1), _row_block(n)
-    tile_rows = _rows_per_program(block_n)
-    programs = triton.cdiv(rows, tile_rows)
+    rows = x.numel() // max(n, 1)
+    launch = norm_launch(rows, n, x.device)
+    programs = launch.backward_programs
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     partial_w = torch.empty(programs, n, dtype=torch.float32, device=x.device)
     partial_b = torch.empty(programs if centre else 1, n, dtype=torch.float32, device=x.device)
     _norm_backward_kernel[(programs,)](
         grad.contiguous(), x, weight.contiguous(), grad_x, partial_w, partial_b, rows, n, eps,
-        CENTRE=centre, ROWS=tile_rows, BLOCK_N=block_n)
+        launch.row_blocks, CENTRE=centre, ROWS=launch.block_rows, BLOCK_N=launch.block_n,
+        num_warps=launch.num_warps)
     return grad_x, partial_w.sum(0).to(weight.dtype), partial_b.sum(0).to(weight.dtype)
 
 
