@@ -75,7 +75,7 @@ class Pipe(StagesStayPut, FrontDoor):
         cuda_graphs: capture each CUDA stage's forward and backward as CUDA graphs, per input
             shape and dtype, and replay them in training steps (fewer kernel launches; see
             ``fastpipe.runtime.graphs``). CPU stages, unusual inputs and failed captures run
-            eagerly, with one warning each.
+            eagerly, with one warning each. Not with ``schedule='pipedream'``.
         vertical_sync: with ``schedule='pipedream'``, run each micro-batch on every stage with
             the weight version stage 0 gave it (see ``fastpipe.runtime.weight_versions``).
         split_points: for any ``nn.Module`` (or to cut an ``nn.Sequential`` by submodule
@@ -138,6 +138,7 @@ class Pipe(StagesStayPut, FrontDoor):
         compiling.check_modes(compiler, checkpoint=blueprint.layout.checkpoint,
                               cuda_graphs=use_graphs)
         vertical_sync = _check_vertical_sync(vertical_sync, blueprint.layout)
+        weight_versions.check_cuda_graphs(use_graphs, blueprint.layout.first_schedule)
         self._begin(blueprint, _devices=blueprint.physical,
                     _traced=(blueprint.traced, cut.split_points))  # what generate() traces
         self._realise(blueprint, compiler, use_graphs, vertical_sync, workers)
@@ -212,7 +213,5 @@ class Pipe(StagesStayPut, FrontDoor):
 
 def _check_vertical_sync(vertical_sync: Any, layout: Layout) -> bool:
     """``vertical_sync``, checked: it applies to PipeDream's weight versions only."""
-    if check_flag(vertical_sync, "vertical_sync") and layout.first_schedule != "pipedream":
-        raise ValueError(f"vertical_sync=True applies to schedule='pipedream' only, got "
-                         f"schedule={layout.schedule!r}")
-    return bool(vertical_sync)
+    return weight_versions.check_vertical_sync(vertical_sync, layout.first_schedule,
+                                               layout.schedule)

@@ -48,9 +48,10 @@ class StepLifecycle:
         the schedule it runs: the step's whole ``StepState`` is made here."""
         sizes = self._local_sizes(inputs, targets, train)
         local = self._driver.local
-        tracing.prepare(self._stages[k].module for k in local)  # eval graphs, before the step
-        for k in local:
-            self._stages[k].rng.reset()
+        # the graphs of the mode and of the inputs' shape, before the step
+        tracing.prepare((self._stages[k].module for k in local), inputs)
+        for k in local:  # probe for random draws again (graphed stages: if their modes changed)
+            self._stages[k].rng.refresh(self._stages[k].module)
         config = StepConfig(tuple(self._stages), self.layout.timeout, self.layout.checkpoint)
         step = StepState(config, inputs=[], train=train, seed=draw_step_seed(),
                          checkpoint_stop=0, grad_enabled=grad_enabled, **kwargs)

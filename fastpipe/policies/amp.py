@@ -19,6 +19,8 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..streams.scaler_flag import agreed_flag
+
 AutocastState = List[Tuple[str, torch.dtype]]
 
 
@@ -54,41 +56,63 @@ def scale_loss(scaler: Optional[Any], loss: torch.Tensor) -> torch.Tensor:
 
 
 def unscale_and_sync(scaler: Any, optimizer: torch.optim.Optimizer,
-                     group: Optional[Any] = None, timeout: Optional[float] = None) -> None:
+                     group: Optional[Any] = None, timeout: Optional[float] = None,
+                     device: Optional[torch.device] = None) -> None:
     """Unscale this rank's gradients and agree with every rank of ``group`` on whether any
     gradient anywhere is inf or NaN, so ``scaler.step(optimizer)`` skips the step on every
     rank together and ``scaler.update()`` moves every rank's scale alike.
 
     Call after the step's backward and before ``scaler.step(optimizer)``, on every rank (it is
-    a collective: an all-reduce of one flag). Ranks whose stages never saw the loss start their
-    scale at the scaler's ``init_scale``, like the rank that scaled it, and keep in step with it
-    since every rank then sees the same verdicts. Uses ``GradScaler``'s private but long-stable
-    per-optimizer state (``_per_optimizer_states``).
+    a collective: an all-reduce of one flag). ``device`` is the rank's pipeline device: the
+    flag is made and reduced there (:mod:`fastpipe.streams.scaler_flag`), whatever the rank's
+    gradients are on, even none, so every rank reduces on the group's device backend. Without
+    it, the scale's device, else the first gradient's, else the CPU (refused on an NCCL group:
+    pass ``device``). Ranks whose stages never saw the loss start their scale at the
+    scaler's ``init_scale``, on ``device``, like the rank that scaled it, and keep in step with
+    it since every rank then sees the same verdicts. Uses ``GradScaler``'s private but
+    long-stable per-optimizer state (``_per_optimizer_states``).
     """
     import torch.distributed as dist
 
     if not scaler.is_enabled():
         return
+    home = _home(scaler, optimizer, device, group)
     if scaler._scale is None:  # only the rank with the loss called scaler.scale(loss)
-        scaler._lazy_init_scale_growth_tracker(_grad_device(optimizer))
+        scaler._lazy_init_scale_growth_tracker(home)
     scaler.unscale_(optimizer)
     found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    home = scaler._scale.device
-    flag = torch.zeros((), dtype=torch.float32, device=home)
-    for value in found.values():
-        flag = torch.maximum(flag, value.to(home))
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    if timeout is None:
-        work.wait()  # the process group's own timeout
-    else:
-        work.wait(datetime.timedelta(seconds=timeout))
-    for device, value in found.items():
-        value.copy_(flag.to(device))
-    found.setdefault(home, flag)  # a rank without gradients still records the verdict
+
+    def reduce(flag: torch.Tensor) -> None:
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        if timeout is None:
+            work.wait()  # the process group's own timeout
+        else:
+            work.wait(datetime.timedelta(seconds=timeout))
+
+    flag = agreed_flag(found.values(), home, reduce)
+    for where, value in found.items():
+        value.copy_(flag.to(where))
+    found.setdefault(flag.device, flag)  # a rank without gradients still records the verdict
+
+
+def _home(scaler: Any, optimizer: torch.optim.Optimizer, device: Optional[torch.device],
+          group: Optional[Any]) -> torch.device:
+    """Where the flag lives: ``device``, else the scale's device, else the first gradient's,
+    else the CPU, which a group reducing on NCCL alone cannot take."""
+    import torch.distributed as dist
+
+    if device is not None:
+        return torch.device(device)
+    home = scaler._scale.device if scaler._scale is not None else _grad_device(optimizer)
+    if home.type == "cpu" and str(dist.get_backend(group)) == "nccl":
+        raise ValueError("unscale_and_sync: this rank's flag would be a CPU tensor (it has no "
+                         "scale and no gradient on a GPU) on a group that reduces on NCCL; "
+                         "pass device=<the rank's pipeline device>")
+    return home
 
 
 def _grad_device(optimizer: torch.optim.Optimizer) -> torch.device:
-    """The device of the optimizer's first gradient (where the scale tensor should live)."""
+    """The device of the optimizer's first gradient (the CPU when it has none)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is not None:

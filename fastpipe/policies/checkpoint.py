@@ -105,15 +105,29 @@ class RngReplay:
     generators seeded and checks whether their state moved. Stages that draw random numbers keep
     using the lock and seeding (so concurrent stages never interleave draws); stages that do not
     run lock-free. Recomputation reuses the same seed, so it replays the same numbers.
+
+    With ``across_steps`` (a stage replaying CUDA graphs, whose probed forward cannot replay)
+    the answer is kept from step to step while the train/eval modes it was found under hold:
+    dropout draws only in training mode, so a stage whose ``model.train()`` turns dropout back
+    on is probed again. Such a stage must not start drawing for another reason between steps.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stochastic: Optional[bool] = None
+        self.across_steps = False  # keep the answer while the modes hold (see above)
+        self._modes: Optional[Tuple[bool, ...]] = None  # the modes the answer was found under
 
     def reset(self) -> None:
-        """Forget the probe result; called at the start of every step."""
+        """Forget the probe result: the next forward probes again."""
         self.stochastic = None
+
+    def refresh(self, module: Any) -> None:
+        """Before a step: forget the probe result, unless ``across_steps`` and no train/eval
+        mode of ``module`` (its submodules included) changed since it was probed."""
+        modes = tuple(m.training for m in module.modules()) if self.across_steps else None
+        if modes is None or modes != self._modes:
+            self.stochastic, self._modes = None, modes
 
     @contextlib.contextmanager
     def scope(self, seed: int) -> Iterator[None]:

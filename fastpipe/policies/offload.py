@@ -9,21 +9,22 @@ the stage's next micro-batch, so that copy overlaps this backward. Values are co
 so gradients are exactly those of ``checkpoint='never'``.
 
 On a CUDA stage the copies run on two side streams (device-to-host, host-to-device) into pinned
-buffers, ordered with events, and tensors are recorded on the streams that read them. On a CPU stage
-the same code runs synchronously into plain host buffers: nothing is saved there (host memory is
-the device memory), but every step of the mechanism runs and is tested on the CPU.
+buffers, with the ordering of :mod:`fastpipe.streams.offload_copies`. On a CPU stage the same code
+runs synchronously into plain host buffers: nothing is saved there (host memory is the device
+memory), but every step of the mechanism runs and is tested on the CPU.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import weakref
-from typing import Any, ContextManager, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..ops.pinned_pool import host_pool
+from ..streams.offload_copies import OffloadCopies
 
 __all__ = ["MODE", "StageOffloader", "forward_context", "offloader", "prefetch"]
 
@@ -38,9 +39,10 @@ _offloaders_lock = threading.Lock()
 class _Stash:
     """Returns host buffers to the pool once the copies that use them have finished."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, done: Callable[[Any], bool]) -> None:
         self.pool = pool
-        self._waiting: List[Tuple[Optional[torch.cuda.Event], torch.Tensor]] = []
+        self._done = done  # whether a copy's event has completed
+        self._waiting: List[Tuple[Any, torch.Tensor]] = []
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -48,14 +50,14 @@ class _Stash:
         with self._lock:
             still = []
             for event, buffer in self._waiting:
-                if event is None or event.query():
+                if self._done(event):
                     self.pool.release(buffer)
                 else:
                     still.append((event, buffer))
             self._waiting = still
         return self.pool.acquire(nbytes)
 
-    def give_back(self, buffer: torch.Tensor, event: Optional[torch.cuda.Event]) -> None:
+    def give_back(self, buffer: torch.Tensor, event: Any) -> None:
         """Return ``buffer`` to the pool once ``event`` (the last copy using it) has completed."""
         with self._lock:
             self._waiting.append((event, buffer))
@@ -74,7 +76,7 @@ class _Packed:
         self.host = self.buffer[:nbytes].view(t.dtype).view(t.shape)
         self.copied = owner.copy_out(t, self.host)
         self.value: Optional[torch.Tensor] = None
-        self.fetched: Optional[torch.cuda.Event] = None
+        self.fetched: Any = None  # the in-copy's event
 
     def fetch(self) -> None:
         """Start copying the tensor back to its device (once); frees the host buffer after."""
@@ -88,7 +90,7 @@ class _Packed:
         self.owner.wait(self.fetched, self.value)
         return self.value
 
-    def _give_back(self, event: Optional[torch.cuda.Event]) -> None:
+    def _give_back(self, event: Any) -> None:
         if self.buffer is not None:
             self.owner.stash.give_back(self.buffer, event)
             self.buffer = self.host = None
@@ -131,15 +133,17 @@ class _SavedOnce:
 
 
 class StageOffloader:
-    """Offloads one stage's saved tensors, per micro-batch, and prefetches them for backward."""
+    """Offloads one stage's saved tensors, per micro-batch, and prefetches them for backward.
+    ``copies`` orders the copies (default: on ``device``'s own streams); ``pool`` hands out the
+    host buffers (default: pinned on a GPU)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, copies: Optional[OffloadCopies] = None,
+                 pool: Optional[Any] = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stash = _Stash(host_pool(pinned=self.cuda))
+        self.copies = copies or OffloadCopies(device)
+        self.stash = _Stash(pool or host_pool(pinned=self.cuda), self.copies.done)
         self.min_bytes = MIN_BYTES_CUDA if self.cuda else 0
-        self.out_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.in_stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: Dict[int, List[_Packed]] = {}  # micro-batch -> its offloaded tensors
 
     # ------------------------------------------------------------------ forward
@@ -166,18 +170,9 @@ class StageOffloader:
                 and t.numel() * t.element_size() >= max(self.min_bytes, 1)
                 and t.untyped_storage().data_ptr() not in kept)
 
-    def copy_out(self, t: torch.Tensor, host: torch.Tensor) -> Optional[torch.cuda.Event]:
-        """Copy ``t`` into ``host``: on the side stream after the current one (CUDA), or now."""
-        if not self.cuda:
-            host.copy_(t)
-            return None
-        self.out_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.out_stream):
-            host.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.out_stream)
-        t.record_stream(self.out_stream)  # its memory is not reused before the copy read it
-        return done
+    def copy_out(self, t: torch.Tensor, host: torch.Tensor) -> Any:
+        """Copy ``t`` into ``host`` after the current stream's work; the copy's event."""
+        return self.copies.copy_out(t, host)
 
     # ------------------------------------------------------------------ backward
     def prefetch(self, microbatch: int) -> None:
@@ -188,27 +183,13 @@ class StageOffloader:
         for packed in packs + nxt:
             packed.fetch()
 
-    def copy_in(self, host: torch.Tensor, copied: Optional[torch.cuda.Event]
-                ) -> Tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+    def copy_in(self, host: torch.Tensor, copied: Any) -> Tuple[torch.Tensor, Any]:
         """A device tensor being filled from ``host`` (after ``copied``) and its ready event."""
-        value = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        if not self.cuda:
-            value.copy_(host)
-            return value, None
-        self.in_stream.wait_event(copied)
-        with torch.cuda.stream(self.in_stream):
-            value.copy_(host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.in_stream)
-        value.record_stream(self.in_stream)
-        return value, done
+        return self.copies.copy_in(host, copied)
 
-    def wait(self, fetched: Optional[torch.cuda.Event], value: torch.Tensor) -> None:
-        """Make the current stream wait until ``value`` has landed (CUDA; nothing on the CPU)."""
-        if fetched is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(fetched)
-            value.record_stream(stream)
+    def wait(self, fetched: Any, value: torch.Tensor) -> None:
+        """Make the current stream wait until ``value`` has landed (no-op on the CPU)."""
+        self.copies.ready(value, fetched)
 
     def pool_stats(self) -> Tuple[int, int, int, int]:
         """The host pool's (bytes reserved, bytes in use, buffers allocated, buffers free)."""

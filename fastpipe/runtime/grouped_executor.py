@@ -8,15 +8,12 @@ receives are finished just before the first action they feed, so the next group'
 overlap the compute. On a GPU the groups run on a communication stream ordered against the local
 stages' streams by CUDA events, and the host waits only for the headers, which come over the
 side channel (gloo, CPU tensors): it never reads a device buffer, so it runs ahead of the GPU
-(``pipe.last_step.host_reads`` counts such reads: 0 here).
+(``pipe.last_step.host_reads`` counts such reads: none of them here).
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
-
-import torch
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import PipelineAborted, PipelineError
 from ..schedule import Action, Comm, CommGroup, CommKind, Op, Payload, Schedule, SkipLink
@@ -45,7 +42,6 @@ class GroupedExecutor(RankExecutor):
                                         self.sends)
         self._program: Tuple[Op, ...] = ()
         self._learned: Optional[CommGroup] = None  # the group taken to learn the step's size
-        self._comm_stream: Optional[Any] = None  # CUDA: where exchanges are posted
 
     def _remote_mailbox(self, virtual_stage: int) -> Stash:
         return Stash(virtual_stage, self.exchange.outgoing)
@@ -130,7 +126,8 @@ class GroupedExecutor(RankExecutor):
     def _post(self, step: StepState, group: CommGroup) -> Posted:
         """Post a group's first phase (on a GPU: on the communication stream, after every
         local stage's work so far, since its sends were computed there)."""
-        with self.peers_named(f"posting the exchange {group}"), self._comm_stream_after(step):
+        self.exchange.streams.stages = self._local_streams(step)
+        with self.peers_named(f"posting the exchange {group}"):
             return self.exchange.post(group)
 
     def _finish(self, step: StepState, posted: Posted, action: Optional[Action]) -> List[Header]:
@@ -151,9 +148,9 @@ class GroupedExecutor(RankExecutor):
             wait_until(work, waiting, self.board, deadline, blocking=True,
                        stopped=lambda: step.abort.reason)
 
+        self.exchange.streams.stages = self._local_streams(step)
         try:
-            with self.peers_named(f"running the exchange {group}"), \
-                    self._comm_stream_before(step):
+            with self.peers_named(f"running the exchange {group}"):
                 return self.exchange.finish(posted, step.mailboxes, wait)
         except PeerFailed as failure:
             raise PipelineAborted(f"rank {self.rank} stopped in the exchange {group}{feeds} "
@@ -161,36 +158,8 @@ class GroupedExecutor(RankExecutor):
 
     # ---------------------------------------------------------------- CUDA streams
     def _local_streams(self, step: StepState) -> List[Any]:
+        """The local stages' streams, which the exchange orders its stream against (none on
+        the CPU)."""
         return [step.config.stages[v].stream for v in range(len(step.config.stages))
                 if self.topology.local(v) and getattr(step.config.stages[v], "stream", None)
                 is not None]
-
-    @contextlib.contextmanager
-    def _comm_stream_after(self, step: StepState) -> Iterator[None]:
-        """On a GPU: run the block on the communication stream, ordered after every local
-        stage's stream (NCCL runs a group on its own stream, ordered after this one)."""
-        if self.topology.device.type != "cuda":
-            yield
-            return
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(self.topology.device)
-        for stream in self._local_streams(step):
-            self._comm_stream.wait_stream(stream)
-        with torch.cuda.stream(self._comm_stream):
-            yield
-
-    @contextlib.contextmanager
-    def _comm_stream_before(self, step: StepState) -> Iterator[None]:
-        """On a GPU: run the block on the communication stream, then order every local
-        stage's stream after it (the tensors it received are used there; the caching
-        allocator learns it through ``record_stream``)."""
-        if self.topology.device.type != "cuda":
-            yield
-            return
-        assert self._comm_stream is not None
-        streams = self._local_streams(step)
-        self.exchange.consumer_streams = streams
-        with torch.cuda.stream(self._comm_stream):
-            yield
-        for stream in streams:
-            stream.wait_stream(self._comm_stream)

@@ -11,6 +11,8 @@ from ..policies.amp import autocast_regions, autocast_state
 from ..policies.batchnorm import DeferredNorms
 from ..policies import compile as compiling
 from ..policies.checkpoint import RngReplay, checkpointed, is_recomputing
+from ..streams import stage_stream
+from ..streams.backend import backend_for
 
 
 _NO_STREAM = contextlib.nullcontext()  # reusable: CPU stages enter it for every action
@@ -31,8 +33,8 @@ class Stage:
             compiling.compile_module(module, compiler, f"fastpipe_stage_{index}")
         self.device = device
         self.rng = RngReplay(device)
-        self.stream: Optional["torch.cuda.Stream"] = (
-            torch.cuda.Stream(device) if device.type == "cuda" else None)
+        self.stream_backend = backend_for(device)  # stream operations (no-ops on the CPU)
+        self.stream: Optional[Any] = self.stream_backend.new_stream(device)  # None on the CPU
         self._norms = [m for m in module.modules()
                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
         # whether a recomputation could update buffers twice (see ``_running``)
@@ -51,9 +53,11 @@ class Stage:
         return self.stream is None and not self.compiled
 
     def context(self) -> ContextManager[Any]:
-        """What every action of this stage runs in: the stream (CUDA) in which its work is
-        issued (a no-op on the CPU) and, for a compiled stage, the compiler's settings."""
-        stream = _NO_STREAM if self.stream is None else torch.cuda.stream(self.stream)
+        """What every action of this stage runs in: its device and the stream (CUDA) in which
+        its work is issued (a no-op on the CPU) and, for a compiled stage, the compiler's
+        settings."""
+        stream = (_NO_STREAM if self.stream is None
+                  else stage_stream.issuing(self.stream, self.device, self.stream_backend))
         if not self.compiled:
             return stream
         return _both(stream, compiling.without_donated_buffers)
@@ -131,11 +135,9 @@ def _stats(norm: nn.Module) -> list:
 def order_streams(stages: Sequence[Any], *, before: bool) -> None:
     """Order the stages' CUDA streams after the caller's work (parameters just updated by an
     optimizer, inputs just made) before a step, and the caller's streams after the stages' work
-    (gradients, outputs) once it ends. A no-op for CPU stages."""
+    (gradients, outputs) once it ends (:mod:`fastpipe.streams.stage_stream`). A no-op for CPU
+    stages."""
+    order = stage_stream.stage_after_caller if before else stage_stream.caller_after_stage
     for stage in stages:
         if stage.stream is not None:
-            caller = torch.cuda.current_stream(stage.device)
-            if before:
-                stage.stream.wait_stream(caller)
-            else:
-                caller.wait_stream(stage.stream)
+            order(stage.device, stage.stream, getattr(stage, "stream_backend", None))

@@ -12,13 +12,14 @@ relations a GPU needs on the exact sequence of operations the seam issued.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Optional, Protocol, Sequence
+from typing import Any, ContextManager, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 __all__ = ["CUDA", "HOST", "CudaBackend", "HostBackend", "StreamBackend", "backend_for"]
 
 _NOTHING = contextlib.nullcontext()
+_NO_GRAPHS = "graphs need a CUDA device; the CPU runs stages eagerly"
 
 
 class StreamBackend(Protocol):
@@ -64,6 +65,29 @@ class StreamBackend(Protocol):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
         """``dst.copy_(src)``, issued on the current stream (of the device the copy runs on)."""
 
+    # Graphs: captured work replayed with one launch (fastpipe.streams.capture).
+
+    def graph_pool(self, device: torch.device) -> Any:
+        """A new memory pool for graphs captured on ``device``. Captures given the same pool
+        share its memory: a block one capture frees may be handed to a later capture into the
+        pool, never to work outside graphs."""
+
+    def new_graph(self) -> Any:
+        """A new, empty graph to capture into."""
+
+    def capturing(self, graph: Any, stream: Any, pool: Any, mode: str) -> ContextManager[Any]:
+        """Inside the block, ``stream`` is current on its device and the work issued on it is
+        recorded into ``graph`` instead of run; memory allocated meanwhile comes from ``pool``
+        and keeps its address for every replay. ``mode`` is CUDA's stream capture mode: which
+        unsafe calls (a synchronisation, an allocation outside the pool) break the capture:
+        any thread's (``'global'``), this thread's (``'thread_local'``) or none
+        (``'relaxed'``). ``stream`` must not be a default stream, and nothing recorded outside
+        the capture may be waited for inside it."""
+
+    def replay(self, graph: Any) -> None:
+        """Issue ``graph``'s captured work again on the current stream of its device, reading
+        and writing the memory the capture used."""
+
 
 class HostBackend:
     """The CPU form: no streams, so ordering is program order; copies run at once."""
@@ -101,6 +125,18 @@ class HostBackend:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
         dst.copy_(src)
+
+    def graph_pool(self, device: torch.device) -> Any:
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def new_graph(self) -> Any:
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def capturing(self, graph: Any, stream: Any, pool: Any, mode: str) -> ContextManager[Any]:
+        raise NotImplementedError(_NO_GRAPHS)
+
+    def replay(self, graph: Any) -> None:
+        raise NotImplementedError(_NO_GRAPHS)
 
 
 class CudaBackend:
@@ -143,6 +179,26 @@ class CudaBackend:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
         dst.copy_(src, non_blocking=non_blocking)
+
+    def graph_pool(self, device: torch.device) -> Any:
+        with torch.cuda.device(device):
+            return torch.cuda.graph_pool_handle()
+
+    def new_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    @contextlib.contextmanager
+    def capturing(self, graph: Any, stream: Any, pool: Any, mode: str) -> Iterator[None]:
+        # torch.cuda.graph would also synchronise and empty the allocator's cache per capture
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool, capture_error_mode=mode)
+            try:
+                yield
+            finally:
+                graph.capture_end()
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
 
 
 HOST = HostBackend()

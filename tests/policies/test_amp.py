@@ -133,16 +133,18 @@ def test_scaler_argument_is_checked():
         pipe.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)), loss_fn, scaler=2.0)
 
 
-def _sync_worker(rank: int, path: str, results) -> None:
+def _sync_worker(rank: int, path: str, results, idle_rank=None) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
         layer = nn.Linear(2, 2)
-        layer.weight.grad = torch.full((2, 2), float("inf") if rank == 0 else 1.0)
-        layer.bias.grad = torch.ones(2)
+        if rank != idle_rank:  # the idle rank's stage took no gradient this step
+            layer.weight.grad = torch.full((2, 2), float("inf") if rank == 0 else 1.0)
+            layer.bias.grad = torch.ones(2)
         before = layer.weight.detach().clone()
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
         optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
-        amp.unscale_and_sync(scaler, optimizer)
+        device = None if idle_rank is None else torch.device("cpu")  # the pipeline device
+        amp.unscale_and_sync(scaler, optimizer, device=device)
         scaler.step(optimizer)
         scaler.update()
         results[rank] = (torch.equal(layer.weight, before), scaler.get_scale())
@@ -150,10 +152,13 @@ def _sync_worker(rank: int, path: str, results) -> None:
         dist.destroy_process_group()
 
 
-def test_unscale_and_sync_skips_on_every_rank():
-    """Two processes, each with its own stage's optimizer; only rank 0 overflows, yet both skip."""
+@pytest.mark.parametrize("idle_rank", [None, 1], ids=["both-with-gradients", "one-without"])
+def test_unscale_and_sync_skips_on_every_rank(idle_rank):
+    """Two processes, each with its own stage's optimizer; only rank 0 overflows, yet both skip
+    (also when the other rank has no gradient at all)."""
     with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_sync_worker, args=(os.path.join(folder, "store"), results),
+        mp.start_processes(_sync_worker, args=(os.path.join(folder, "store"), results,
+                                               idle_rank),
                            nprocs=2, join=True, start_method="fork")
         assert dict(results) == {0: (True, 2.0), 1: (True, 2.0)}

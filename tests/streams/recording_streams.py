@@ -13,10 +13,30 @@ The model (what CUDA and torch's caching allocator guarantee, and nothing more):
 - data hazards: a read is ordered after the last write, a write after the last write and every
   read since.
 
+- the host learning that an event completed (``done`` answering True) orders everything issued
+  afterwards, on any stream, after that event.
+
 Operations the seam does not issue through the backend (a stage's compute) are declared by the
 test: :meth:`RecordingStreams.made` (a tensor produced on a stream) and
-:meth:`RecordingStreams.compute` (reads and writes on a stream). :meth:`RecordingStreams.check`
-raises ``AssertionError`` listing every violation.
+:meth:`RecordingStreams.compute` (reads and writes on a stream), or, for real modules,
+:meth:`RecordingStreams.tracking`, which declares every tensor operation run inside it as
+compute on the stream issuing it. :meth:`RecordingStreams.check` raises ``AssertionError``
+listing every violation.
+
+Graphs: :meth:`RecordingStreams.capturing` runs its block once and records its tensor
+operations into a :class:`FakeGraph`; :meth:`RecordingStreams.replay` runs them again on the
+same tensors (as a CUDA graph replays its kernels on the same memory) and declares the replay's
+reads and writes on the current stream. Memory allocated inside a capture belongs to the graph
+pool (outside every stream's: only later captures into the pool reuse it) and is poisoned with
+NaN when the capture ends, since a real capture leaves it unwritten until the first replay. A
+capture is checked for what CUDA requires (its stream's device current, a side stream, a pool
+of that device, the autocast cache off while autocast is on, no host reads, no nesting);
+:attr:`RecordingStreams.captures` keeps what each capture saw (device, mode, pool, autocast).
+
+``RecordingStreams("cuda:0")`` pretends there is a GPU and treats CPU allocations as host memory;
+``RecordingStreams("cpu")`` makes the CPU itself the pretend GPU, so that real modules run on it
+and their allocations belong to the streams' pools (host buffers then come from outside the
+backend, or from ``empty(..., pin_memory=True)``).
 """
 from __future__ import annotations
 
@@ -28,6 +48,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 Clock = Dict["FakeStream", int]
 
@@ -95,6 +117,11 @@ class RecordingStreams:
         self._lock = threading.RLock()
         self.completed = True  # what ``done`` answers
         self.devices_entered: List[torch.device] = []
+        self._retired: List[Memory] = []  # storages replaced at the same address
+        self._seen_done: Clock = {}  # work the host has seen complete (through ``done``)
+        self.pools: List["FakePool"] = []  # graph pools made
+        self.captures: List["Capture"] = []  # what each capture saw
+        self.replays: List["FakeGraph"] = []  # graphs replayed, in order
 
     # ---------------------------------------------------------------- streams
     def default(self, device: Any) -> FakeStream:
@@ -106,7 +133,7 @@ class RecordingStreams:
 
     def _stream(self, device: torch.device, name: str) -> FakeStream:
         stream = FakeStream(device, name)
-        self._clocks[stream] = {stream: 0}
+        self._clocks[stream] = {**self._seen_done, stream: 0}
         return stream
 
     def _stack(self) -> List[FakeStream]:
@@ -182,6 +209,13 @@ class RecordingStreams:
             _join(self._clocks[waiter], event.as_clock())
 
     def done(self, event: Any) -> bool:
+        """``completed``; when True, the host has seen ``event`` complete: everything issued
+        from now on, on any stream, is ordered after it."""
+        if self.completed and event is not None:
+            with self._lock:
+                _join(self._seen_done, event.as_clock())
+                for clock in self._clocks.values():
+                    _join(clock, self._seen_done)
         return self.completed
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
@@ -193,10 +227,11 @@ class RecordingStreams:
     # ---------------------------------------------------------------- memory and work
     def empty(self, shape: Sequence[int], dtype: torch.dtype, device: Any,
               pin_memory: bool = False) -> torch.Tensor:
-        tensor = torch.empty(tuple(shape), dtype=dtype)
+        with self.quiet():
+            tensor = torch.empty(tuple(shape), dtype=dtype)
         device = torch.device(device)
-        if device.type == "cpu":  # host memory: outside the streams' pools
-            self.adopt(tensor, "host buffer")
+        if pin_memory or (device.type == "cpu" and self.main.type != "cpu"):
+            self.adopt(tensor, "host buffer")  # host memory: outside the streams' pools
             return tensor
         with self._lock:
             stream = self.current(device)
@@ -207,7 +242,8 @@ class RecordingStreams:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
         self.compute(self.issuing(), reads=[src], writes=[dst], what="copy")
-        dst.copy_(src)
+        with self.quiet():
+            dst.copy_(src)
 
     def made(self, tensor: torch.Tensor, stream: Optional[FakeStream] = None,
              label: Optional[str] = None) -> torch.Tensor:
@@ -263,10 +299,121 @@ class RecordingStreams:
         else:
             memory.reads.append(stamp)
 
+    # ---------------------------------------------------------------- real modules
+    def tracking(self) -> TorchDispatchMode:
+        """A context in which every tensor operation (of a real module's forward or backward,
+        say) is declared as compute on the stream issuing it: fresh outputs as allocated and
+        written there, inputs as read, arguments the operation mutates as written. Views
+        touch no data and are not declared; nor is the backend's own work."""
+        return _Tracking(self)
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Tensor operations inside are not declared by :meth:`tracking` (host-side
+        bookkeeping, say, such as a pool handing out a host buffer)."""
+        self._local.quiet = getattr(self._local, "quiet", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.quiet -= 1
+
+    def _is_quiet(self) -> bool:
+        return getattr(self._local, "quiet", 0) > 0
+
+    def _declare(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """One operation seen by :meth:`tracking`."""
+        schema = func._schema
+        written = [a.name for a in schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write]
+        if not written and any(r.alias_info is not None for r in schema.returns):
+            return  # a view
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage()._cdata for t in inputs}
+        writes = [kwargs.get(name, args[i] if i < len(args) else None)
+                  for i, name in enumerate(a.name for a in schema.arguments) if name in written]
+        writes = [t for t in tree_leaves(writes) if isinstance(t, torch.Tensor)]
+        stream = self.issuing()
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in storages:
+                with self._lock:
+                    label = f"{func.__name__}{tuple(t.shape)}@{stream.name}#{len(self.log)}"
+                    self._register(t, label, Stamp(stream, dict(self._clocks[stream]), "alloc"))
+                writes.append(t)
+        self.compute(stream, reads=inputs, writes=writes, what=func.__name__)
+
+    # ---------------------------------------------------------------- graphs
+    def graph_pool(self, device: Any) -> "FakePool":
+        with self._lock:
+            pool = FakePool(torch.device(device), len(self.pools))
+            self.pools.append(pool)
+            self.log.append(("graph_pool", pool))
+            return pool
+
+    def new_graph(self) -> "FakeGraph":
+        return FakeGraph()
+
+    @contextlib.contextmanager
+    def capturing(self, graph: "FakeGraph", stream: FakeStream, pool: "FakePool",
+                  mode: str) -> Iterator[None]:
+        """Run the block once, recording its tensor operations into ``graph`` (see the module
+        docstring); the capture stream is declared to read what the graph reads."""
+        seen = Capture(graph, stream, pool, mode, self.device, _autocast_now(stream.device.type),
+                       torch.is_autocast_cache_enabled(), threading.current_thread().name)
+        self._check_capture(seen)
+        with self._lock:
+            self.captures.append(seen)
+            self.log.append(("capture", graph, stream, pool, mode))
+        graph.device, graph.pool, graph.stream = stream.device, pool, stream
+        self._local.capturing = getattr(self._local, "capturing", 0) + 1
+        try:
+            with self.using(stream), self.quiet(), _Recorder(self, graph):
+                yield
+        finally:
+            self._local.capturing -= 1
+        graph.seal()
+        self.compute(stream, reads=graph.reads, what=f"capture of {graph}")
+
+    def _check_capture(self, seen: "Capture") -> None:
+        stream, problems = seen.stream, []
+        if seen.device != stream.device:
+            problems.append(f"captured on {stream} with {seen.device} current: a capture records "
+                            f"only the work issued for its stream's device")
+        if seen.pool.device != stream.device:
+            problems.append(f"a capture on {stream} allocates from {seen.pool}, a pool of "
+                            f"another device")
+        if self._defaults.get(stream.device) is stream:
+            problems.append(f"captured on the default stream {stream}: graphs need a side stream")
+        if seen.graph.device is not None:
+            problems.append(f"{seen.graph} captured twice")
+        if seen.cache and any(enabled for _, enabled, _ in seen.autocast):
+            problems.append(f"captured under autocast with its cast cache on: casts cached "
+                            f"outside the capture would be replayed stale, those made inside "
+                            f"freed with the cache ({seen.autocast})")
+        if getattr(self._local, "capturing", 0):
+            problems.append(f"{seen.graph} captured inside another capture")
+        with self._lock:
+            self.violations += problems
+
+    def replay(self, graph: "FakeGraph") -> None:
+        if graph.device is None:
+            with self._lock:
+                self.violations.append(f"{graph} replayed but never captured")
+            return
+        stream = self.current(graph.device)
+        with self.quiet(), torch.no_grad():
+            for op in graph.ops:
+                op.run()
+        with self._lock:
+            self.replays.append(graph)
+        self.compute(stream, reads=graph.reads, writes=graph.writes, what=f"replay of {graph}")
+
     # ---------------------------------------------------------------- bookkeeping
     def _register(self, tensor: torch.Tensor, label: str, alloc: Optional[Stamp]) -> Memory:
         storage = tensor.untyped_storage()
         memory = Memory(StorageWeakRef(storage), label, alloc)
+        replaced = self._memory.get(storage._cdata)
+        if replaced is not None:  # its uses are still checked (a dead storage's address reused)
+            self._retired.append(replaced)
         self._memory[storage._cdata] = memory
         return memory
 
@@ -285,7 +432,7 @@ class RecordingStreams:
         """Tensors used on a stream other than their allocating one without being recorded
         there (checked for all: a record after the last reference died cannot happen)."""
         found = []
-        for memory in self._memory.values():
+        for memory in [*self._retired, *self._memory.values()]:
             for stream in sorted(memory.used_on - memory.recorded, key=lambda s: s.id):
                 found.append(f"{memory.label} was used on {stream} but never recorded there "
                              f"(record_stream): its memory could be reused while {stream} "
@@ -303,3 +450,153 @@ def _join(into: Clock, other: Clock) -> None:
     for stream, tick in other.items():
         if into.get(stream, 0) < tick:
             into[stream] = tick
+
+
+class _Tracking(TorchDispatchMode):
+    """:meth:`RecordingStreams.tracking`'s dispatch mode."""
+
+    def __init__(self, streams: RecordingStreams) -> None:
+        super().__init__()
+        self.streams = streams
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.streams._is_quiet():
+            self.streams._declare(func, args, kwargs, out)
+        return out
+
+
+# ---------------------------------------------------------------------------------------- graphs
+_ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                "empty_permuted"}  # allocate without writing: no kernel in a graph
+_HOST_READS = {"_local_scalar_dense", "item", "is_nonzero", "equal"}  # synchronise
+
+
+@dataclass(frozen=True)
+class FakePool:
+    """A graph memory pool of a (pretend) device."""
+
+    device: torch.device
+    id: int
+
+    def __repr__(self) -> str:
+        return f"<pool {self.id} of {self.device}>"
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What one capture saw when it began."""
+
+    graph: "FakeGraph"
+    stream: FakeStream
+    pool: FakePool
+    mode: str
+    device: Optional[torch.device]  # the thread's current device
+    autocast: Tuple[Tuple[str, bool, torch.dtype], ...]  # (device type, enabled, dtype)
+    cache: bool  # the autocast cast cache was on
+    thread: str
+
+
+def _autocast_now(kind: str) -> Tuple[Tuple[str, bool, torch.dtype], ...]:
+    return tuple((k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
+                 for k in sorted({"cpu", kind}))
+
+
+class _Op:
+    """One recorded tensor operation: its replay writes the same output tensors again."""
+
+    def __init__(self, func: Any, args: Any, kwargs: Any, out: Any, mutates: bool) -> None:
+        self.func, self.args, self.kwargs, self.out, self.mutates = func, args, kwargs, out, mutates
+
+    def run(self) -> None:
+        result = self.func(*tree_map(_data, self.args), **tree_map(_data, self.kwargs))
+        if self.mutates:
+            return
+        for kept, fresh in zip(tree_leaves(self.out), tree_leaves(result)):
+            if isinstance(kept, torch.Tensor):
+                kept.data.copy_(fresh)
+
+
+def _data(value: Any) -> Any:
+    """The tensor without autograd's version counter (a replay bumps none, as on a GPU)."""
+    return value.data if isinstance(value, torch.Tensor) else value
+
+
+class FakeGraph:
+    """A graph of :class:`RecordingStreams`: the operations its capture ran, with the memory
+    they read from outside the graph and the memory they write."""
+
+    def __init__(self) -> None:
+        self.id = next(_ids)
+        self.ops: List[_Op] = []
+        self.device: Optional[torch.device] = None
+        self.pool: Optional[FakePool] = None
+        self.stream: Optional[FakeStream] = None
+        self.reads: List[torch.Tensor] = []  # memory from outside the graph
+        self.writes: List[torch.Tensor] = []
+        self.made: List[torch.Tensor] = []  # allocated by the capture, from its pool
+        self._made: Set[int] = set()
+        self._read: Set[int] = set()
+
+    def __repr__(self) -> str:
+        return f"<graph {self.id}>"
+
+    def record(self, streams: RecordingStreams, func: Any, args: Any, kwargs: Any,
+               out: Any) -> None:
+        name = func.overloadpacket.__name__
+        if name in _HOST_READS:
+            with streams._lock:
+                streams.violations.append(f"{func} read a value on the host during the capture "
+                                          f"of {self}")
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for t in inputs:
+            key = t.untyped_storage()._cdata
+            if key not in self._made and key not in self._read:
+                self._read.add(key)
+                self.reads.append(t)
+        if func.is_view:
+            return
+        fresh = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                 and t.untyped_storage()._cdata not in {i.untyped_storage()._cdata
+                                                        for i in inputs}]
+        for t in fresh:
+            self._made.add(t.untyped_storage()._cdata)
+            self.made.append(t)
+            streams.adopt(t, f"graph pool {name}{tuple(t.shape)} of {self}")
+        if name in _ALLOCATIONS:
+            return
+        mutated = _mutated(func, args, kwargs)
+        self.ops.append(_Op(func, args, kwargs, out, bool(mutated)))
+        self.writes += fresh + mutated
+
+    def seal(self) -> None:
+        """End of the capture: what it allocated holds nothing until a replay writes it."""
+        with torch.no_grad():
+            for t in self.made:
+                if t.is_floating_point():
+                    t.data.fill_(float("nan"))
+
+
+def _mutated(func: Any, args: Any, kwargs: Any) -> List[torch.Tensor]:
+    """The tensor arguments ``func`` writes in place."""
+    found = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = kwargs.get(argument.name, args[i] if i < len(args) else None)
+            found += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
+class _Recorder(TorchDispatchMode):
+    """:meth:`RecordingStreams.capturing`'s dispatch mode."""
+
+    def __init__(self, streams: RecordingStreams, graph: FakeGraph) -> None:
+        super().__init__()
+        self.streams, self.graph = streams, graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.graph.record(self.streams, func, args, kwargs, out)
+        return out
