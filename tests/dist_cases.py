@@ -21,7 +21,7 @@ from dist_common import (P2P, TOL, WIDTH, DistributedPipe, check_full_grads,  # 
                          skip_model, tied_model, token_loss, token_mean_of, tp_plan)
 from dist_failure_cases import (bad_targets, blame, boundary_mismatch,  # noqa: E402
                                 detached_loss, failure)
-from dist_host_read_cases import host_reads  # noqa: E402
+from dist_host_read_cases import host_reads, refused_count  # noqa: E402
 from dist_model_cases import (autocast_bf16, compat, deferred_batch_norm,  # noqa: E402
                               evaluate, grad_scaler, skip_connections, tied_weights,
                               traced_gpt2)
@@ -50,7 +50,7 @@ CASES = {f.__name__: f for f in (process_groups, randomized, transparency, data_
                                  meta_and_factories, tied_weights, deferred_batch_norm,
                                  grad_scaler, autocast_bf16, skip_connections, compat, evaluate,
                                  several)}
-CASES[host_reads.__name__] = host_reads
+CASES.update({f.__name__: f for f in (host_reads, refused_count)})
 CASES.update({f.__name__: f for f in (three_d, three_d_runs, three_d_checkpoint,
                                       three_d_errors, three_d_pipedream, three_d_token_mean)})
 

@@ -46,12 +46,14 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..model_loss import ModelLoss, bind as bind_model_loss, model_loss_of, rule_of
+from ..model_loss import Bound as BoundModelLoss, ModelLoss, bind as bind_model_loss, \
+    model_loss_of, rule_of
 from ..placement import check_flag
 from ..policies import amp
 from ..runtime.gradients import closing, grad_norm
 from ..runtime.gradients.token_mean import TokenMean
 from ..runtime.step import StepState
+from ..runtime.transport.wire import HostReads
 from ..runtime.weight_versions import step_optimizer
 from .arguments import StepEnding, check_ending, check_step_arguments, warn_uneven_mean
 from .lifecycle import StepLifecycle
@@ -111,6 +113,8 @@ class Training(StepLifecycle):
         step, sizes, schedule = self._new_step(
             inputs, targets, train=True, grad_enabled=True, loss_reduction=loss_reduction,
             loss_fn=loss_fn, scaler=scaler, token_mean=token_mean, handlers=handlers)
+        if isinstance(loss_fn, BoundModelLoss) and self._reads_targets(True):
+            step.loss_fn = loss_fn.for_step(len(sizes), self._driver.replica_sums)
         self._run(schedule.actions, step, schedule)
         loss, count = self._driver.loss(step, len(sizes))
         if count is None and loss_reduction == "mean" and len(set(sizes)) > 1 \
@@ -129,18 +133,20 @@ class Training(StepLifecycle):
         the step), then raise, skip, or clip and step the optimizer, alike everywhere."""
         optimizer, scaler = ending.optimizer, ending.scaler
         unscaled = scaler is not None and optimizer is not None and ending.sync
-        scaler_skips = self._driver.before_update(optimizer, scaler) if unscaled else False
+        scaler_skips = (self._driver.before_update(optimizer, scaler, step.reads) if unscaled
+                        else False)
         norm_type = ending.norm_type if not scaler_skips else None
         counted = (self._driver.counted(list(self.named_parameters()))
                    if norm_type is not None else [])
-        verdict = self._verdict(step, count, counted, norm_type, scaler is not None)
+        verdict = self._verdict(step, count, counted, norm_type, scaler is not None,
+                                ending.nonfinite != "ignore")
         step.grad_norm = verdict.grad_norm
         bad = verdict.culprit if ending.nonfinite != "ignore" else None
         if bad is not None and ending.nonfinite == "raise":
             name = self._driver.name_of(bad, counted) if bad.bad_parameter >= 0 else None
             if unscaled:
                 scaler.update()  # unscaled this step: leave the scaler ready for the next
-            raise closing.error(bad, float(loss), name, self._driver.distributed)
+            raise closing.error(bad, step.reads.number(loss), name, self._driver.distributed)
         step.skipped = optimizer is not None and (scaler_skips or bad is not None)
         if step.skipped:
             self._skipped_steps = self.skipped_steps + 1
@@ -155,11 +161,22 @@ class Training(StepLifecycle):
                 scaler.update()  # skipped as the scaler's own skips are: its scale moves
 
     def _verdict(self, step: StepState, count: int, counted: Sequence[Any],
-                 norm_type: Optional[float], scaled: bool) -> closing.Verdict:
-        """This process's report of the step, gathered with every other's: the verdict."""
+                 norm_type: Optional[float], scaled: bool, losses: bool) -> closing.Verdict:
+        """This process's report of the step (one read of its device at most: the norm terms,
+        and on the last stage's process the losses' finiteness when ``losses`` and the counts
+        of ``(loss_sum, count)`` losses), gathered with every other's: the verdict. A count
+        that is not a count refuses the step here, its gradients put back."""
         last = len(self._stages) - 1
-        mine = closing.report(self._driver.rank, counted, norm_type, step.losses, count,
-                              last if self._reads_targets(True) else None)
+        token_mean = step.token_mean if step.token_mean is not None and \
+            step.token_mean.active else None
+        mine = closing.report(self._driver.rank, counted, norm_type,
+                              step.losses if losses else {}, count,
+                              last if self._reads_targets(True) else None,
+                              reads=step.reads, counts=token_mean)
+        if token_mean is not None:
+            if mine.bad_count >= 0:
+                raise token_mean.refuse(mine.bad_count, step.reads)
+            token_mean.release()
         if scaled:  # inf gradients are the scaler's: only the loss is checked
             mine = dataclasses.replace(mine, bad_parameter=-1, bad_stage=-1)
         return closing.verdict(self._driver.gather_reports(mine), norm_type)
@@ -184,7 +201,8 @@ class Training(StepLifecycle):
         self._driver.check_synced("clip_grad_norm_")
         with self._driver.guarded():
             counted = self._driver.counted(list(self.named_parameters()))
-            mine = closing.report(self._driver.rank, counted, norm_type, {}, 0)
+            mine = closing.report(self._driver.rank, counted, norm_type, {}, 0,
+                                  reads=HostReads())  # one read (outside any step)
             verdict = closing.verdict(self._driver.gather_reports(mine), norm_type)
             if error_if_nonfinite and verdict.culprit is not None:
                 bad = verdict.culprit

@@ -100,7 +100,7 @@ class RankExecutor:
                           for v in range(schedule.num_virtual_stages)]
         step.abort.register(bell)
         self._bell = bell
-        self.transport.reads.count = 0  # the step's reads of device buffers start here
+        self.transport.reads = step.reads  # the step's reads of device buffers, counted
 
     def run(self, programs: Sequence[Sequence[Action]], step: StepState,
             schedule: Schedule) -> None:
@@ -110,7 +110,6 @@ class RankExecutor:
             with self.peers_named("running the step"):
                 self._local.run(programs, step, schedule)
                 self._flush_sends(step.config.timeout)
-            step.host_reads = self.transport.reads.count
             self._doing("finished its actions")
         except PipelineError as error:
             culprit = getattr(error, "culprit", None)

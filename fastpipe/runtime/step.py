@@ -28,6 +28,7 @@ from ..schedule import Action, ActionKind
 from .transport.device_copy import land, ship
 from .lowering import Place, Route
 from .transport.mailbox import Abort, Mailbox
+from .transport.wire import HostReads
 from .transport.message import BARE, TENSOR, as_leaf, flatten, post, post_grads, take, unflatten
 from .stage import Stage
 
@@ -83,11 +84,14 @@ class StepState:
     busy: List[float] = field(default_factory=list)  # seconds spent in actions, per worker
     recorder: Optional["StepRecorder"] = None  # while the pipe is traced
     handlers: Optional[Mapping[ActionKind, Handler]] = None  # replaces the executor's (PipeDream)
+    # PipeDream: micro-batch -> its weight version tag, the first stage's updates in the call
+    # when it forwarded it (other ranks learn it from the micro-batch's messages)
+    tags: Dict[int, int] = field(default_factory=dict)
     inflight: Dict[int, int] = field(default_factory=dict)  # micro-batches held, per stage
     peak_inflight: Dict[int, int] = field(default_factory=dict)
     grad_norm: Optional[float] = None  # the whole model's gradient norm, when measured
     skipped: bool = False  # the optimizer step was skipped (non-finite, or the scaler's verdict)
-    host_reads: Optional[int] = None  # a rank's blocking reads of device buffers (transport)
+    reads: HostReads = field(default_factory=HostReads)  # blocking reads of device buffers
 
     def __post_init__(self) -> None:
         self.mailboxes: List[Mailbox] = []  # wired by the executor

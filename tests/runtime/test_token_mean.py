@@ -2,14 +2,18 @@
 equal the plain model's mean over every counted element of the batch (padding excluded), on
 every schedule, also with gradients accumulated over several steps."""
 import copy
+import math
+import re
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fastpipe
 from fastpipe.frontdoor import UncertainWeighting
+from dist_launch import assert_all_ok, launch
 from helpers import assert_same_grads, grads_of, mlp
 
 
@@ -91,16 +95,41 @@ def test_even_micro_batches_do_not_warn():
 @pytest.mark.parametrize("loss_fn,match", [
     (lambda o, t: (token_loss(o, t)[0], -1), "non-negative"),
     (lambda o, t: (token_loss(o, t)[0], token_loss(o, t)[0] * 0.1), "whole number"),
+    (lambda o, t: (token_loss(o, t)[0], -t[1].sum()), "micro-batch 0 is -"),
+    (lambda o, t: (token_loss(o, t)[0], t[1].sum() * math.nan), "micro-batch 0 is nan"),
+    (lambda o, t: (token_loss(o, t)[0], t[1].sum() > 0), "tensor\\(True"),
     (lambda o, t: (token_loss(o, t)[0], t[1]), "one-element"),
     (lambda o, t: (*token_loss(o, t), 0), "returned 3 values"),
 ])
-def test_bad_counts_are_typed_errors_before_any_gradient(loss_fn, match):
+def test_bad_counts_are_typed_errors_that_leave_no_gradient(loss_fn, match):
+    """A count given as a number or of a wrong shape is refused as it comes, before any
+    backward; a count tensor stays on the device and is checked in the step's one read at its
+    close, which then puts back the gradients from before the step."""
     model = mlp(depth=6)
     pipe = fastpipe.Pipe(model, chunks=2, devices=["cpu"] * 2)
     x, targets = padded_batch()
     with pytest.raises(fastpipe.LossFunctionError, match=match):
         pipe.train_step(x, targets, loss_fn)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_step_refused_for_its_count_keeps_the_accumulated_gradients_exactly():
+    model = mlp(depth=6)
+    pipe = fastpipe.Pipe(model, chunks=2, devices=["cpu"] * 2)
+    pipe.train_step(*padded_batch(seed=1), token_loss)
+    before = grads_of(model)
+    calls = []
+
+    def second_negative(output, t):
+        calls.append(1)
+        total, count = token_loss(output, t)
+        return total, (-count if len(calls) == 2 else count)
+
+    with pytest.raises(fastpipe.LossFunctionError, match="micro-batch 1 is -"):
+        pipe.train_step(*padded_batch(seed=2), second_negative)
+    after = grads_of(model)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], before[n]) for n in before)
 
 
 def test_mixing_the_two_forms_is_an_error():
@@ -114,3 +143,16 @@ def test_mixing_the_two_forms_is_an_error():
 
     with pytest.raises(fastpipe.LossFunctionError, match="one form throughout"):
         pipe.train_step(*padded_batch(), flip)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("p2p", ["grouped", "tagged"])
+def test_a_count_tensor_that_is_no_count_fails_every_rank_in_the_same_step(p2p):
+    """2 ranks: the last stage's rank raises the LossFunctionError at the step's close (its
+    gradients untouched), the other stops in the same call naming it."""
+    first, last = assert_all_ok(launch("refused_count", 2, limit=120, args={"p2p": p2p}))
+    assert last["error"] == "LossFunctionError" and last["untouched"], last
+    assert re.search(r"micro-batch 2 is 2\.[34]\d*; ", last["message"]), last
+    assert first["error"] == "PipelineAborted", first
+    assert "rank 1" in first["message"] and last["message"] in first["message"], first

@@ -15,8 +15,9 @@ import torch
 
 from ...schedule import Action, Schedule
 from ...schedule.timeline import Timeline
-from ..gradients import closing, grad_norm
+from ..gradients import closing, grad_norm, readout
 from ..step import StepState
+from ..transport.wire import HostReads
 from ..observe.trace import StepRecorder
 
 
@@ -76,29 +77,37 @@ class Driver:
         """The whole pipeline's measured timeline of the recorded step."""
         raise NotImplementedError  # pragma: no cover
 
-    def loss(self, step: StepState, num_microbatches: int) -> Tuple[torch.Tensor, Optional[float]]:
+    def loss(self, step: StepState,
+             num_microbatches: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The step's loss from the weighted micro-batch losses, and with ``(loss_sum, count)``
-        losses the whole step's count (the loss is then the sums over it), else ``None``."""
+        losses the whole step's count (the loss is then the sums over it), else ``None``; both
+        computed on the device, unread."""
         raise NotImplementedError  # pragma: no cover
+
+    def replica_sums(self, values: List[float]) -> List[float]:
+        """``values`` added over the data-parallel replicas of this process's stages (a
+        collective of the processes that run the same stages; here, one process: as given)."""
+        return list(values)
 
     def begin_training(self, sync: bool) -> None:
         """Before a training step: ``sync`` is False inside ``no_sync()``, where the gradients
         of the step stay this process's own (no data-parallel or tied-weight sums) until a
         later call syncs them."""
 
-    def finish_gradients(self, step: StepState, count: Optional[float]) -> None:
+    def finish_gradients(self, step: StepState, count: Optional[torch.Tensor]) -> None:
         """After the backward: make the step's gradients final: averaged over data-parallel
-        replicas, divided by the token count of ``(loss_sum, count)`` losses (``count``, else
-        ``None``), weights tied across processes summed."""
+        replicas, divided by the token count of ``(loss_sum, count)`` losses (``count``, a
+        device tensor, else ``None``), weights tied across processes summed."""
         if count is not None:
             step.token_mean.finish(count)
 
-    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> bool:
+    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any],
+                      reads: HostReads) -> bool:
         """Before the front door steps ``optimizer`` through ``scaler``: unscale the gradients
         (so they can be measured and clipped); whether the scaler found an inf or NaN in them
-        (it then skips the step, on every process alike)."""
+        (it then skips the step, on every process alike; one read, counted in ``reads``)."""
         scaler.unscale_(optimizer)
-        return scaler_found_inf(scaler, optimizer)
+        return scaler_found_inf(scaler, optimizer, reads)
 
     def counted(self, named: Sequence[Tuple[str, Any]]) -> List[grad_norm.Counted]:
         """The parameters this process counts in the model's gradient norm (each element of
@@ -130,10 +139,11 @@ class Driver:
         """Wait for the step's queued device work, so a measured step time covers it."""
 
 
-def scaler_found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``scaler.unscale_(optimizer)`` found an inf or NaN gradient (a host read: the
-    front door needs the verdict to report the step as skipped)."""
+def scaler_found_inf(scaler: Any, optimizer: torch.optim.Optimizer, reads: HostReads) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` found an inf or NaN gradient (one host read of
+    every device's flag together: the front door needs the verdict to report the step as
+    skipped)."""
     if not scaler.is_enabled():
         return False
-    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    return any(float(v) > 0 for v in found.values())
+    found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    return any(v > 0 for v in readout.read_together(found, reads) if v is not None)

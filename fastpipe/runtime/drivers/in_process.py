@@ -59,13 +59,14 @@ class InProcessDriver(Driver):
     def timeline(self, recorder: StepRecorder) -> Timeline:
         return recorder.timeline(dict(enumerate(self.devices)), self.timeout)
 
-    def loss(self, step: StepState, num_microbatches: int) -> Tuple[torch.Tensor, Optional[float]]:
+    def loss(self, step: StepState,
+             num_microbatches: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         loss = torch.stack([step.losses[i] for i in range(num_microbatches)]).sum()
         token_mean = step.token_mean
         if token_mean is None or not token_mean.active:
             return loss, None
-        total = token_mean.total()
-        return (loss / total if total > 0 else loss * 0.0), total
+        total = token_mean.total(loss.device)
+        return torch.where(total > 0, loss / total.to(loss.dtype), loss * 0.0), total
 
     def wait_for_devices(self) -> None:
         wait_for(self.devices, self.timeout)

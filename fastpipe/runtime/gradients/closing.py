@@ -4,22 +4,27 @@ the one verdict all of them reach from the reports.
 Each process reports its share of the gradient norm
 (:mod:`fastpipe.runtime.gradients.grad_norm`), the
 first parameter whose gradient is not finite and the first micro-batch whose loss is not finite
-(as a :class:`Report`, a few numbers). A ``Pipe`` reads its one report; the ranks of a
-``DistributedPipe`` gather every rank's report in one collective, which is also the step's
-confirmation that every rank finished it. From the same reports in the same order, every
-process computes the same :class:`Verdict`: the total norm, and where the step first went
-non-finite, so that all of them raise, skip or step together.
+(as a :class:`Report`, a few numbers), all computed on its device and read on the host
+together, once (:mod:`fastpipe.runtime.gradients.readout`). A ``Pipe`` reads its one report;
+the ranks of a ``DistributedPipe`` gather every rank's report in one collective of host
+numbers, which is also the step's confirmation that every rank finished it. From the same
+reports in the same order, every process computes the same :class:`Verdict`: the total norm,
+and where the step first went non-finite, so that all of them raise, skip or step together.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence
 
 import torch
 
 from ...errors import NonFiniteError
-from . import grad_norm
+from . import grad_norm, readout
+
+if TYPE_CHECKING:
+    from ..transport.wire import HostReads
+    from .token_mean import TokenMean
 
 REPORT_LEN = 5
 
@@ -33,6 +38,8 @@ class Report:
     bad_parameter: int = -1  # index of the first non-finite gradient among the counted ones
     bad_stage: int = -1  # the virtual stage holding it
     bad_microbatch: int = -1  # the first micro-batch whose loss is not finite here
+    bad_count: int = -1  # the first micro-batch whose count is not a count (never gathered:
+    # the process that finds one refuses the step before the reports are gathered)
 
     def encode(self) -> List[float]:
         return [float(self.rank), self.norm_terms, float(self.bad_parameter),
@@ -60,29 +67,41 @@ class Verdict:
         return self.culprit is not None
 
 
-def first_bad_loss(losses: Mapping[int, torch.Tensor], count: int) -> int:
-    """The first micro-batch whose loss is not finite (-1: all are)."""
-    for mb in range(count):
-        value = losses.get(mb)
-        if value is not None and not math.isfinite(float(value)):
-            return mb
-    return -1
+def first_bad_loss(losses: Mapping[int, torch.Tensor], count: int) -> Optional[torch.Tensor]:
+    """Unread, on the first loss's device: the first micro-batch of ``count`` whose loss is not
+    finite, else -1 (``None`` when no loss is known here)."""
+    present = [mb for mb in range(count) if losses.get(mb) is not None]
+    if not present:
+        return None
+    home = losses[present[0]].device
+    values = torch.stack([losses[mb].detach().reshape(()).to(home) for mb in present])
+    return readout.first_marked(~torch.isfinite(values), present)
 
 
 def report(rank: int, params: Sequence[grad_norm.Counted], norm_type: Optional[float],
-           losses: Mapping[int, torch.Tensor], count: int,
-           loss_stage: Optional[int] = None) -> Report:
-    """This process's report: its norm terms and first non-finite gradient when ``norm_type``
-    is given (a pass over the gradients); on the process of the last stage (``loss_stage``,
-    else ``None``), the first micro-batch of ``count`` whose loss in ``losses`` is not
-    finite."""
+           losses: Mapping[int, torch.Tensor], count: int, loss_stage: Optional[int] = None,
+           *, reads: "HostReads", counts: Optional["TokenMean"] = None) -> Report:
+    """This process's report, from one read of its device (none when it has nothing to
+    read): its norm terms and first non-finite gradient when ``norm_type`` is given (a pass
+    over the gradients); on the process of the last stage (``loss_stage``, else ``None``),
+    the first micro-batch of ``count`` whose loss in ``losses`` is not finite and, with
+    ``counts`` (``(loss_sum, count)`` losses), the first whose count tensor is not a count
+    (``Report.bad_count``: refused before the reports are gathered)."""
     terms = grad_norm.terms(params, norm_type) if norm_type is not None else None
-    bad = terms.first_nonfinite if terms is not None else -1
+    on_loss_stage = loss_stage is not None
+    bad_loss = first_bad_loss(losses, count) if on_loss_stage else None
+    device = next((t.device for t in (terms[0] if terms else None, bad_loss) if t is not None),
+                  None)
+    bad_count = counts.first_bad(device) if on_loss_stage and counts is not None else None
+    value, bad, bad_mb, count_mb = readout.read_together(
+        [*(terms if terms is not None else (None, None)), bad_loss, bad_count], reads)
+    bad = -1 if bad is None else int(bad)
     stage = params[bad].stage if bad >= 0 and params[bad].stage is not None else -1
-    bad_loss = first_bad_loss(losses, count) if loss_stage is not None else -1
-    if bad_loss >= 0:
+    bad_mb = -1 if bad_mb is None else int(bad_mb)
+    if bad_mb >= 0:
         stage = loss_stage
-    return Report(rank, terms.value if terms is not None else 0.0, bad, stage, bad_loss)
+    return Report(rank, value if value is not None else 0.0, bad, stage, bad_mb,
+                  -1 if count_mb is None else int(count_mb))
 
 
 def verdict(reports: Sequence[Report], norm_type: Optional[float]) -> Verdict:

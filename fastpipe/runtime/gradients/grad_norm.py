@@ -21,6 +21,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import readout
+
 NONFINITE_MODES = ("raise", "skip", "ignore")
 REPLICA_DIMS = ("data", "shard", "tensor")  # the mesh dimensions besides the pipeline's
 
@@ -106,20 +108,14 @@ def local_gradient(grad: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else grad
 
 
-@dataclass
-class Terms:
-    """One process's share of the norm: the combinable value, and the first counted parameter
-    whose gradient is not finite (its index in the counted list), or -1."""
-
-    value: float
-    first_nonfinite: int
-
-
 @torch.no_grad()
-def terms(params: Sequence[Counted], norm_type: float) -> Terms:
-    """This process's terms: ``sum |g|^p`` (or ``max |g|`` for ``inf``) over the counted
-    gradients, in float64, from per-tensor norms computed with ``torch._foreach_norm``
-    (one pass over the gradients, grouped by device and dtype)."""
+def terms(params: Sequence[Counted], norm_type: float
+          ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """This process's terms, unread, as 0-dim float64 tensors on the first gradient's device:
+    ``sum |g|^p`` (or ``max |g|`` for ``inf``) over the counted gradients, from per-tensor
+    norms computed with ``torch._foreach_norm`` (one pass over the gradients, grouped by device
+    and dtype), and the index in ``params`` of the first gradient that is not finite (-1).
+    ``None`` when no counted parameter has a gradient."""
     grads: List[torch.Tensor] = []
     index: List[int] = []
     for i, c in enumerate(params):
@@ -127,32 +123,29 @@ def terms(params: Sequence[Counted], norm_type: float) -> Terms:
             grads.append(local_gradient(c.parameter.grad))
             index.append(i)
     if not grads:
-        return Terms(0.0, -1)
+        return None
     norms = _tensor_norms(grads, norm_type)
-    finite = torch.isfinite(norms)
-    first = -1
-    if not bool(finite.all()):
-        first = index[int((~finite).nonzero()[0])]
-    if math.isinf(norm_type):
-        return Terms(float(norms.max()), first)
-    return Terms(float(norms.pow(norm_type).sum()), first)
+    first = readout.first_marked(~torch.isfinite(norms), index)
+    value = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+    return value, first
 
 
 def _tensor_norms(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Each gradient's p-norm (in its own dtype, as torch computes it), as float64 on the
-    CPU."""
+    first gradient's device (unread)."""
     groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
     for i, g in enumerate(grads):
         groups.setdefault((g.device, g.dtype), []).append(i)
-    out = torch.empty(len(grads), dtype=torch.float64)
+    home = grads[0].device
+    out = torch.empty(len(grads), dtype=torch.float64, device=home)
     for (device, _), members in groups.items():
         tensors = [grads[i] for i in members]
         if device.type in ("cpu", "cuda"):
             norms = torch._foreach_norm(tensors, norm_type)
         else:
             norms = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
-        values = torch.stack([n.to(torch.float64) for n in norms]).cpu()
-        out[torch.tensor(members)] = values
+        values = torch.stack([n.to(torch.float64) for n in norms]).to(home)
+        out[torch.tensor(members).to(home)] = values
     return out
 
 

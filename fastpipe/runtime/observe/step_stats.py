@@ -34,9 +34,11 @@ class StepStats:
     traced, whose actions the host only launches. ``grad_norm``: the whole model's gradient
     norm when the step measured it (clipping, or the non-finite check), before clipping;
     ``skipped``: the optimizer step was skipped (a non-finite step under ``nonfinite='skip'``,
-    or a GradScaler's verdict). ``host_reads``: on a ``DistributedPipe`` rank, the blocking
-    reads of device buffers its transport made during the step (each one, on a GPU, makes the
-    host wait for the device; 0 on the grouped transport); ``None`` elsewhere."""
+    or a GradScaler's verdict). ``host_reads``: the blocking reads of device buffers this
+    process made on the host during the step, by its transport and at the step's close (each
+    one, on a GPU, makes the host wait for the device): none in the grouped transport; one at
+    the close when the host needs a verdict (the non-finite check, clipping, a count to
+    check), none otherwise."""
 
     samples: int
     step_time: float
@@ -90,7 +92,7 @@ def finish_step(step: StepState, samples: int, started: float, ended: float,
     """The record of a finished training step that ran ``samples`` samples from ``started``
     to ``ended`` (``time.perf_counter()``); ``timeline``: its measured timeline when traced."""
     return StepStats(samples, ended - started, _busy(step, timeline), _local_stages(step),
-                     step.grad_norm, step.skipped, host_reads=step.host_reads)
+                     step.grad_norm, step.skipped, host_reads=step.reads.count)
 
 
 def step_context(step: StepState, samples: int, started: float, ended: float, trace: Any,
@@ -106,6 +108,7 @@ def step_context(step: StepState, samples: int, started: float, ended: float, tr
         step_start=began - origin + offset, step_called=started - origin + offset,
         step_end=ended - origin + offset, action_overhead=_action_overhead(step),
         threads=_threads(shape.devices, step), **_cuda_memory(shape.devices, step),
+        cpu_busy=_cpu_busy(step, trace.timelines[-1].num_stages),
         **_hardware(shape.devices),
         schedule=shape.schedule, virtual_stages=shape.virtual_stages, balance=shape.balance,
         samples=samples, checkpoint=shape.checkpoint)
@@ -155,6 +158,16 @@ def _hardware(devices: Optional[Tuple[torch.device, ...]]) -> Dict[str, Any]:
     return {"devices": None if devices is None else tuple(str(d) for d in devices),
             "cores": len(cores) if cores else os.cpu_count(),
             "intra_op_threads": torch.get_num_threads(), "load": load}
+
+
+def _cpu_busy(step: StepState, num_stages: int) -> Optional[Tuple[float, ...]]:
+    """Per stage, the CPU time its thread got over the wall time of its actions (every
+    rank's, once a ``DistributedPipe`` gathered them); ``None`` unless every stage has it."""
+    cpu = step.recorder.cpu
+    if set(cpu) != set(range(num_stages)):
+        return None
+    return tuple(min(1.0, c / w) if w > 0 else 1.0 for c, w in (cpu[s] for s in
+                                                                  range(num_stages)))
 
 
 def _local_stages(step: StepState) -> int:
