@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   installs everything and trains the demo GPT through a pipeline
 #   make test   installs everything and runs the test suite (make test-all: with the long runs
-#               marked slow too)
+#               marked slow too; CI runs make ci: test-all and the CUDA sources' compile check)
 # Everything goes into .venv (made with --system-site-packages, so a torch already installed on the
 # machine, e.g. a CUDA build on a GPU machine, is used as it is). Without one, TORCH_SPEC is
 # installed: on a machine without an NVIDIA GPU from PyTorch's CPU wheel index (TORCH_INDEX),
@@ -20,7 +20,7 @@ GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h)
 
-.PHONY: install torch demo test test-all check-cuda-syntax bench info clean
+.PHONY: install torch demo test test-all ci check-cuda-syntax bench info clean
 
 $(VENV)/.installed: $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -50,17 +50,27 @@ $(VENV)/.triton: $(VENV)/.installed
 		$(PY) -m pip install triton; fi
 	touch $@
 
+# torchgpipe 0.0.7, for the parity tests and the benchmarks: without its dependencies (it would
+# pull another torch); the tests that compare with it skip where it is absent.
+$(VENV)/.torchgpipe: $(VENV)/.installed
+	$(PY) -m pip install --no-deps torchgpipe==0.0.7
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: install
 	$(PY) -m fastpipe demo
 
-test: install $(VENV)/.triton
+test: install $(VENV)/.triton $(VENV)/.torchgpipe
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The long runs too (tests marked slow: repeated elastic restarts, every compiled schedule, ...).
-test-all: install $(VENV)/.triton
+test-all: install $(VENV)/.triton $(VENV)/.torchgpipe
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# What CI runs (.ci/run): every test, the slow ones and torchgpipe's parity tests included, then
+# the compile-only check of the CUDA sources.
+ci: test-all check-cuda-syntax
 
 # Compile-only check of the CUDA sources against torch's and the CUDA toolkit's headers (no GPU).
 check-cuda-syntax: install
@@ -69,8 +79,7 @@ check-cuda-syntax: install
 info: install
 	$(PY) -m fastpipe info
 
-bench: install
-	$(PY) -m pip install --no-deps torchgpipe==0.0.7
+bench: install $(VENV)/.torchgpipe
 	$(PY) -m pip install matplotlib
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/cpu_concurrency.py

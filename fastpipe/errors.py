@@ -42,12 +42,24 @@ class StageFailure(PipelineError):
 
 class LossFunctionError(TypeError):
     """``loss_fn`` returned a value that no backward can start from (not a scalar, not a
-    floating-point tensor, or without a gradient graph). Raised to the caller as it is, before
-    any gradient is written, naming the micro-batch."""
+    floating-point tensor, or without a gradient graph), or a count that is not a count.
+    Raised to the caller as it is, naming the micro-batch: before any gradient is written, or
+    for a count tensor (checked on the device) at the step's close, the gradients from before
+    the step put back."""
 
 
 class ProcessGroupError(RuntimeError):
     """``torch.distributed`` is not set up the way a ``DistributedPipe`` needs."""
+
+
+class ProtocolError(PipelineError):
+    """A message from another rank that does not decode as fastpipe's wire format (metadata
+    that is not the data it must be: a corrupt or forged message, or a rank running other
+    code); ``rank`` is the sending rank. Nothing in the message was run or kept."""
+
+    def __init__(self, message: str, *, rank: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class TooFewDevices(ValueError, IndexError):

@@ -9,9 +9,11 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import version
-from . import contents, directory as folder, restore, target as targets
+from ..parallel import optimizer_loads
+from . import contents, data_only, directory as folder, restore, target as targets
 from .errors import CheckpointError, CheckpointMismatchError, RngNotRestoredWarning
 from .ranks import Ranks
 
@@ -21,8 +23,9 @@ PathLike = Any  # str or os.PathLike
 def save(directory: PathLike, pipe: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
          scheduler: Optional[Any] = None, extra: Optional[Dict[str, Any]] = None, *,
          timeout: Optional[float] = None) -> str:
-    """Save ``pipe``'s model state, ``optimizer``, ``scheduler``, ``extra`` (a picklable dict)
-    and every rank's RNG states as a checkpoint in ``directory``; returns its absolute path.
+    """Save ``pipe``'s model state, ``optimizer``, ``scheduler``, ``extra`` (a dict of data:
+    numbers, strings, bools, None, lists, tuples, dicts, tensors) and every rank's RNG states
+    as a checkpoint in ``directory``; returns its absolute path.
 
     The entries are keyed by the plain model's names, so the checkpoint loads at any other
     layout and into the plain model. Atomic: the checkpoint counts (``load`` accepts it,
@@ -37,6 +40,9 @@ def save(directory: PathLike, pipe: nn.Module, optimizer: Optional[torch.optim.O
         path = os.path.abspath(os.fspath(directory))
         t = targets.target(pipe, optimizer, scheduler)
         _check_extra(extra)
+        if ranks.distributed and optimizer is not None:  # its groups must be this rank's
+            optimizer_loads.watch(optimizer)
+            optimizer_loads.check_groups(optimizer)
         refused = folder.refuse_existing(path)
         if refused is not None:
             raise FileExistsError(refused)
@@ -59,7 +65,8 @@ def save(directory: PathLike, pipe: nn.Module, optimizer: Optional[torch.optim.O
 
 
 def load(directory: PathLike, pipe: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-         scheduler: Optional[Any] = None, *, timeout: Optional[float] = None) -> Dict[str, Any]:
+         scheduler: Optional[Any] = None, *, timeout: Optional[float] = None,
+         trust_pickled: bool = False) -> Dict[str, Any]:
     """Load a checkpoint of ``save`` into ``pipe`` (and ``optimizer``, ``scheduler``), at this
     layout whatever the saving one was; returns the saved ``extra`` (``{}`` if none).
 
@@ -70,36 +77,57 @@ def load(directory: PathLike, pipe: nn.Module, optimizer: Optional[torch.optim.O
     bad arguments. The RNG states are restored when the layout is the saving one, so dropout
     continues as if never stopped; at another layout they are left alone, with a
     ``RngNotRestoredWarning`` (on rank 0).
+
+    The checkpoint is read as data (``data_only``): its metadata builds only
+    ``torch.distributed.checkpoint``'s records, its entries only numbers, strings, containers
+    and tensors; one that needs more (a scheduler whose state holds other objects, a forged
+    file) raises ``UnsafeCheckpointError`` before anything changes. ``trust_pickled=True``
+    unpickles such entries as ``torch.load(..., weights_only=False)`` does: only for a
+    checkpoint you trust as you trust code.
     """
     ranks = Ranks(pipe, timeout)
+    trust = _check_trust(trust_pickled, ranks)
     path = os.fspath(directory) if isinstance(directory, (str, os.PathLike)) else directory
-    t, saved, marker = _checked_load(ranks, path, pipe, optimizer, scheduler)
+    t, saved, marker = _checked_load(ranks, path, pipe, optimizer, scheduler, trust)
     same = marker["layout"] == targets.layout(pipe)
     extras = tuple(k for k, wanted in (("extra", marker.get("extra")),
                                        ("scheduler", scheduler is not None),
                                        (f"rng.{ranks.rank}", same)) if wanted)
-    small = _read(ranks, path, restore.small_template(t, saved, extras))
+    small = _read(ranks, path, restore.small_template(t, saved, extras), trust)
     hyper, problem = restore.hyperparameters(t, small)
-    ranks.agree(problem, "the optimizer groups of a load")
-    tensors = _read(ranks, path, restore.tensor_template(t, saved))
+    entries: Dict[str, Any] = {}
+    try:
+        entries = {k: contents.unpack(small[k], repr(k), trust) for k in extras}
+    except CheckpointError as error:
+        problem = problem or error
+    ranks.agree(problem, "the optimizer groups and entries of a load")
+    tensors = _read(ranks, path, restore.tensor_template(t, saved), trust)
     pipe.load_state_dict(tensors["model"])
     if optimizer is not None:
         restore.apply_optimizer(t, tensors, hyper)
     if scheduler is not None:
-        scheduler.load_state_dict(contents.unpack(small["scheduler"]))
+        scheduler.load_state_dict(entries["scheduler"])
     if same:
-        contents.set_rng_state(contents.unpack(small[f"rng.{ranks.rank}"]))
+        contents.set_rng_state(entries[f"rng.{ranks.rank}"])
     elif ranks.rank == 0:
         warnings.warn(f"the checkpoint {path!r} was saved at another layout "
                       f"({marker['layout']}): the random number generators keep their state, "
                       f"so dropout will not draw what the saving run would have; the model, "
                       f"optimizer and scheduler are restored exactly", RngNotRestoredWarning,
                       stacklevel=2)
-    return contents.unpack(small["extra"]) if marker.get("extra") else {}
+    return entries["extra"] if marker.get("extra") else {}
 
 
-def _checked_load(ranks: Ranks, path: Any, pipe: nn.Module, optimizer: Any, scheduler: Any
-                  ) -> Tuple[targets.Target, restore.Saved, Dict[str, Any]]:
+def _check_trust(trust_pickled: Any, ranks: Ranks) -> bool:
+    if not isinstance(trust_pickled, bool):
+        ranks.problem = ranks.problem or TypeError(
+            f"trust_pickled must be True or False, got {type(trust_pickled).__name__}")
+        return False
+    return trust_pickled
+
+
+def _checked_load(ranks: Ranks, path: Any, pipe: nn.Module, optimizer: Any, scheduler: Any,
+                  trust: bool) -> Tuple[targets.Target, restore.Saved, Dict[str, Any]]:
     """The arguments, the checkpoint's completeness and its entries against the model, the
     optimizer and the scheduler, on every rank; raises on all ranks if any rank found a
     problem."""
@@ -108,8 +136,10 @@ def _checked_load(ranks: Ranks, path: Any, pipe: nn.Module, optimizer: Any, sche
         if not isinstance(path, str):
             raise TypeError(f"directory must be a path, got {type(path).__name__}")
         t = targets.target(pipe, optimizer, scheduler)
+        if ranks.distributed and optimizer is not None:  # later loads into it checked too
+            optimizer_loads.watch(optimizer)
         marker = folder.read_marker(path)
-        saved = restore.Saved(dcp.FileSystemReader(path).read_metadata(), t.names)
+        saved = restore.Saved(data_only.reader(path, trust).read_metadata(), t.names)
         problem = (problem or restore.model_problem(t, saved)
                    or restore.optimizer_problem(t, saved, marker)
                    or _scheduler_problem(scheduler, marker))
@@ -123,10 +153,20 @@ def _checked_load(ranks: Ranks, path: Any, pipe: nn.Module, optimizer: Any, sche
     return t, saved, marker
 
 
-def _read(ranks: Ranks, path: str, template: Dict[str, Any]) -> Dict[str, Any]:
-    """``template`` filled from the checkpoint (a collective on a ``DistributedPipe``)."""
-    with _single(ranks):
-        dcp.load(template, checkpoint_id=path, no_dist=not ranks.distributed)
+def _read(ranks: Ranks, path: str, template: Dict[str, Any], trust: bool) -> Dict[str, Any]:
+    """``template`` filled from the checkpoint, as data unless ``trust`` (a collective on a
+    ``DistributedPipe``: every rank raises what any rank's read refused)."""
+    try:
+        with _single(ranks):
+            dcp.load(template, storage_reader=data_only.reader(path, trust),
+                     planner=data_only.planner(trust), no_dist=not ranks.distributed)
+    except CheckpointException as error:
+        refused = [(r, e) for r, (e, _) in sorted(error.failures.items())
+                   if isinstance(e, data_only.UnsafeCheckpointError)]
+        if refused:
+            raise data_only.UnsafeCheckpointError(f"rank {refused[0][0]}: {refused[0][1]}") \
+                from None
+        raise
     return template
 
 
@@ -157,10 +197,7 @@ def _check_extra(extra: Any) -> None:
     if not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict (e.g. {{'step': 300}}) or None, got "
                         f"{type(extra).__name__}")
-    try:
-        contents.pack(extra)
-    except Exception as error:  # noqa: BLE001 - whatever pickling raises
-        raise TypeError(f"extra must be picklable: {type(error).__name__}: {error}") from error
+    contents.check_extra(extra)
 
 
 def _scheduler_problem(scheduler: Any, marker: Dict[str, Any]) -> Optional[CheckpointError]:

@@ -9,7 +9,9 @@ The entries (``torch.distributed.checkpoint`` keys):
   (``flatten_optimizer_state_dict=True``), ``<name>`` the parameter's name in the plain model's
   ``named_parameters()``; a parameter without optimizer state has no ``state`` entries;
 - ``scheduler``: the LR scheduler's ``state_dict()``; ``extra``: rank 0's ``extra``;
-  ``rng.<rank>``: each rank's torch CPU and CUDA generator states (one pickled entry each).
+  ``rng.<rank>``: each rank's torch CPU and CUDA generator states (one ``torch.save`` entry
+  each, read back with ``weights_only=True``: ``extra`` holds data only, and a scheduler
+  whose state holds other objects loads only with ``trust_pickled=True``).
 
 The optimizer is read from its ``state`` and ``param_groups`` directly (not through its
 ``state_dict()``), so saving never initialises an optimizer that has not stepped.
@@ -17,10 +19,15 @@ The optimizer is read from its ``state`` and ``param_groups`` directly (not thro
 from __future__ import annotations
 
 import io
+import pickle
+from collections import OrderedDict
 from typing import Any, Dict, Optional
 
 import torch
+from torch import nn
 
+from .data_only import TRUST_HINT, UnsafeCheckpointError, refusal_reason
+from .errors import CheckpointMismatchError
 from .target import Target
 
 _SKIPPED_HYPER = ("params", "param_names")  # rank-local: the live group keeps its own
@@ -85,5 +92,44 @@ def pack(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def unpack(value: bytes) -> Any:
-    return torch.load(io.BytesIO(value), weights_only=False)
+def unpack(value: Any, what: str, trust_pickled: bool = False) -> Any:
+    """An entry :func:`pack` wrote, read with ``torch.load(..., weights_only=True)`` (data:
+    numbers, strings, containers, tensors); an entry that needs more is refused, naming
+    ``what``, unless the caller trusts the checkpoint (``trust_pickled``: the one place a
+    checkpoint entry is unpickled without restriction, at the caller's explicit request)."""
+    if not isinstance(value, bytes):
+        raise CheckpointMismatchError(f"the checkpoint's {what} is not an entry of "
+                                      f"fastpipe.checkpoint.save (a {type(value).__name__})")
+    try:
+        return torch.load(io.BytesIO(value), weights_only=True)
+    except pickle.UnpicklingError as error:
+        if not trust_pickled:
+            raise UnsafeCheckpointError(
+                f"the checkpoint's {what} needs arbitrary unpickling, which a load does not "
+                f"do ({refusal_reason(error)}); {TRUST_HINT}") from None
+    return torch.load(io.BytesIO(value), weights_only=False)  # trust_pickled: the caller's
+
+
+def check_extra(extra: Any, where: str = "extra") -> None:
+    """``TypeError`` unless ``extra`` holds only what a data-only load reads back: numbers,
+    strings, bools, None, lists, tuples, dicts, tensors (and dtypes, devices, sizes)."""
+    if type(extra) in (list, tuple):
+        for i, item in enumerate(extra):
+            check_extra(item, f"{where}[{i}]")
+        return
+    if type(extra) in (dict, OrderedDict):
+        for key, item in extra.items():
+            if not isinstance(key, _KEYS):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}: {_HOLDS}")
+            check_extra(item, f"{where}[{key!r}]")
+        return
+    if not isinstance(extra, _LEAVES) or (isinstance(extra, torch.Tensor)
+                                          and type(extra) not in (torch.Tensor, nn.Parameter)):
+        raise TypeError(f"{where} is a {type(extra).__name__}: {_HOLDS}")
+
+
+_KEYS = (str, int, float, bool, type(None))
+_LEAVES = (*_KEYS, complex, torch.Tensor, torch.dtype, torch.device, torch.Size)
+_HOLDS = ("extra holds numbers, strings, bools, None, lists, tuples, dicts and tensors (what a "
+          "checkpoint reads back as data, without unpickling code); store other objects as "
+          "such values (e.g. their state_dict())")

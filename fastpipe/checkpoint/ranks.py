@@ -16,13 +16,15 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import DistributedPipe
-from ..parallel.optimizer_names import OptimizerStateError
+from ..parallel.optimizer_loads import OptimizerStateError
 from ..runtime.failure.waits import wait_work
 from . import errors
+from .data_only import UnsafeCheckpointError
 
 _TYPES: Dict[str, Type[BaseException]] = {t.__name__: t for t in (
     errors.CheckpointError, errors.IncompleteCheckpointError, errors.CheckpointMismatchError,
-    OptimizerStateError, FileExistsError, FileNotFoundError, TypeError, ValueError)}
+    UnsafeCheckpointError, OptimizerStateError, FileExistsError, FileNotFoundError, TypeError,
+    ValueError)}
 
 
 class Ranks:

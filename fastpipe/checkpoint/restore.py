@@ -3,8 +3,8 @@
 Every destination is built from the checkpoint's own metadata and the live parameters (a
 ``DTensor`` parameter's state as a ``DTensor`` of its placements), so a load reads the state of
 parameters whatever the optimizer held before, and leaves a parameter saved without state
-without state, as it was. The hyperparameters and pickled entries are read first (small) and
-checked; then the tensors are read in place.
+without state, as it was. The hyperparameters and the other small entries are read first (as
+data) and checked; then the tensors are read in place.
 """
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ def optimizer_problem(t: Target, saved: Saved, marker: Dict[str, Any]
 
 
 def small_template(t: Target, saved: Saved, extras: Tuple[str, ...]) -> Dict[str, Any]:
-    """The first read: hyperparameters and pickled entries (small), checked before the
-    tensors are read into the live model."""
+    """The first read: hyperparameters and the small entries (RNG, scheduler, extra), checked
+    before the tensors are read into the live model."""
     template: Dict[str, Any] = {key: None for key in extras}
     optim = {f"param_groups.{n}.{k}": _destination(md) for n in t.names
              for k, md in saved.hyper[n].items()}
@@ -152,7 +152,7 @@ def tensor_template(t: Target, saved: Saved) -> Dict[str, Any]:
 def _destination(md: Any, like: Optional[torch.Tensor] = None) -> Any:
     """Where one entry is read to: a tensor of its shape (the parameter's placement when it
     has the parameter's shape; a scalar, such as a step count, on the CPU: the optimizer's
-    load moves it where the optimizer keeps it), or ``None`` for a pickled entry."""
+    load moves it where the optimizer keeps it), or ``None`` for a non-tensor entry."""
     if not hasattr(md, "size"):
         return None
     dtype = md.properties.dtype

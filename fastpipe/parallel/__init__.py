@@ -9,6 +9,8 @@
   group (each rank sends a slice, the receivers all-gather), its gradient likewise.
 - ``checkpoint``: plain-model state dicts loaded into sharded (DTensor) parameters.
 - ``setup``: the checked combination of the above for one pipe (what ``DistributedPipe`` calls).
+- ``optimizer_loads``: a rank's optimizer refuses a load that lost its parameter groups
+  (``torch.distributed.checkpoint`` keeps one rank's copy of what all save under one key).
 
 The engines are PyTorch's own (DTensor, FSDP2, ``torch.distributed.checkpoint``); this package
 only decides which ranks and which submodules they apply to, checks the arguments before any

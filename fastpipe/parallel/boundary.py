@@ -25,6 +25,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from ..policies.checkpoint import is_recomputing
 
@@ -34,6 +35,10 @@ class Scattered(NamedTuple):
 
     chunk: torch.Tensor
     shape: Tuple[int, ...]
+
+
+# It crosses ranks in messages, whose structure decodes only through torch's pytree registry.
+pytree._register_namedtuple(Scattered, serialized_type_name="fastpipe.parallel.boundary.Scattered")
 
 
 class Boundary:

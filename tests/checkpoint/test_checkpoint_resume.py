@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 import fastpipe
 from fastpipe import checkpoint as ckpt
 from fastpipe.checkpoint import directory as folder
-from fastpipe.parallel import optimizer_names
+from fastpipe.parallel import optimizer_loads
 
 import checkpoint_cases
 from dist_launch import assert_all_ok, launch
@@ -298,7 +298,9 @@ def test_bad_arguments_are_named(tmp_path):
         (lambda: ckpt.save(tmp_path / "x", m, opt, other_sched), ValueError, "another"),
         (lambda: ckpt.save(tmp_path / "x", m, opt, extra=[3]), TypeError, "extra must be a"),
         (lambda: ckpt.save(tmp_path / "x", m, opt, extra={"f": lambda: 0}), TypeError,
-         "picklable"),
+         "extra\\['f'\\] is a function: extra holds numbers, strings"),
+        (lambda: ckpt.save(tmp_path / "x", m, opt, extra={"a": [1, {2: object()}]}), TypeError,
+         "extra\\['a'\\]\\[1\\]\\[2\\] is a object"),
         (lambda: ckpt.save(tmp_path / "x", 3, opt), TypeError, "pipe must be"),
         (lambda: ckpt.load(path, m, opt, sched), ckpt.CheckpointMismatchError,
          "without one; load with scheduler=None"),
@@ -318,53 +320,61 @@ def test_bad_arguments_are_named(tmp_path):
     check()
 
 
-# --------------------------------------------- a DistributedPipe rank's optimizer.state_dict()
-class Rank(nn.Sequential):
-    """Stands for one rank of a DistributedPipe: layers under their plain-model names."""
-
-    def __init__(self, first: int) -> None:
-        super().__init__(OrderedDict((str(i), nn.Linear(4, 4)) for i in (first, first + 1)))
-        optimizer_names.watch(self)
-
-    def _checkpoint_names(self) -> Dict[str, str]:
-        return {n: n for n, _ in self.named_parameters()}
-
-
-def _stepped(rank: Rank) -> torch.optim.Optimizer:
-    opt = torch.optim.AdamW(rank.parameters(), lr=0.1)
-    rank(torch.randn(3, 4)).sum().backward()
+# ------------------------------------- a DistributedPipe rank's optimizer: what a load may do
+def _stepped_adamw(m: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(batch(0)[0]).square().mean().backward()
     opt.step()
     return opt
 
 
-def test_a_rank_optimizer_state_dict_is_keyed_by_plain_names_and_checked(tmp_path):
-    """Indices are the same on every rank, names are not: each rank's own state dict loads
-    back exactly (torch.save, weights_only), another rank's is refused, through the hooks or
-    (an optimizer that never stepped, which torch maps by position) at the first step."""
-    first, last = Rank(0), Rank(2)
-    opt_first, opt_last = _stepped(first), _stepped(last)
-    saved = opt_last.state_dict()
-    assert sorted(saved["state"]) == ["2.bias", "2.weight", "3.bias", "3.weight"]
-    torch.save(saved, tmp_path / "last.pt")
-    again = torch.optim.AdamW(last.parameters(), lr=0.1)  # never stepped: torch's own load
-    again.load_state_dict(torch.load(tmp_path / "last.pt", weights_only=True))
-    last(torch.randn(3, 4)).sum().backward()
-    reference = copy.deepcopy(opt_last.state_dict())
-    again.step()  # checked (this rank's own), then steps as the original would
-    opt_last.step()
-    for p, q in zip(again.state.values(), opt_last.state.values()):
-        same(p, q, **EXACT)
-    assert reference["param_groups"][0]["lr"] == 0.1 and type(again.param_groups[0]["lr"]) is float
-    with pytest.raises(optimizer_names.OptimizerStateError, match="does not hold"):
-        opt_first.load_state_dict(saved)  # the hooks: another rank's entries
-    fresh = torch.optim.AdamW(first.parameters(), lr=0.1)
-    fresh.load_state_dict(saved)  # torch maps it by position: the first step refuses
-    first(torch.randn(3, 4)).sum().backward()
-    before = params(first)
-    for _ in range(2):
-        with pytest.raises(optimizer_names.OptimizerStateError, match="another rank's"):
-            fresh.step()
-    same(params(first), before, **EXACT)
+def _lost_groups(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """What torch's set_state_dict hands a rank's optimizer when the checkpoint kept another
+    rank's param_groups: this rank's state, groups without a hyperparameter."""
+    return {"state": state_dict["state"],
+            "param_groups": [{"params": g["params"]} for g in state_dict["param_groups"]]}
+
+
+def test_a_load_that_lost_the_parameter_groups_is_refused_before_the_optimizer_changes():
+    m = model()
+    opt = _stepped_adamw(m)
+    optimizer_loads.watch(opt)
+    optimizer_loads.watch(opt)  # once per optimizer: one hook
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(optimizer_loads.OptimizerStateError, match="none of its hyperparameters"):
+        opt.load_state_dict(_lost_groups(before))
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for k, v in before["state"].items():
+        same(after["state"][k], v, **EXACT)
+    older = copy.deepcopy(before)  # torch's own, and one from a torch without a newer default
+    del older["param_groups"][0]["decoupled_weight_decay"]
+    opt.load_state_dict(older)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True  # AdamW fills it back
+    twin = _stepped_adamw(model())  # loaded before it was watched: its groups say so
+    twin.load_state_dict(_lost_groups(twin.state_dict()))
+    with pytest.raises(optimizer_loads.OptimizerStateError, match="has no 'lr', 'betas'"):
+        optimizer_loads.check_groups(twin)
+    optimizer_loads.check_groups(opt)
+
+
+def test_a_watched_optimizer_keeps_torchs_state_dict_and_no_global_hook_exists():
+    """The check is the optimizer's own pre-hook, on the optimizers fastpipe is handed: its
+    state_dict() is torch's (indices, plain floats), and no optimizer-wide hook exists."""
+    from torch.optim import optimizer as torch_optimizer
+    pipes = [pipe_of(kind, model()) for kind in ("Pipe", "GPipe", "Pipe-3")]
+    watched, plain = _stepped_adamw(model()), _stepped_adamw(model())
+    optimizer_loads.watch(watched)
+    ckpt_opt, sched = optimizer_of(pipes[0])
+    train(pipes[0], ckpt_opt, sched, 0, 1)
+    assert not torch_optimizer._global_optimizer_pre_hooks
+    assert not torch_optimizer._global_optimizer_post_hooks
+    mine, theirs = watched.state_dict(), plain.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    assert all(type(g["lr"]) is float for g in mine["param_groups"])
+    assert list(mine["state"]) == list(theirs["state"]) == list(range(len(theirs["state"])))
+    for k, v in theirs["state"].items():
+        same(mine["state"][k], v, **EXACT)
 
 
 # ------------------------------------------------------------------- across processes (gloo)
@@ -381,14 +391,17 @@ def _two_launches(case: str, ranks: int, path: Any, limit: float) -> list:
 
 @needs_gloo
 def test_distributed_pipe_resumes_bit_for_bit_in_new_processes(tmp_path):
-    """2 ranks, a weight tied across them, dropout: fastpipe.checkpoint, each rank's
-    optimizer.state_dict() through DCP, and torch's get/set_state_dict all resume bit for
-    bit; an optimizer whose template had no state, and refused loads, raise on every rank."""
-    results = _two_launches("resume", 2, tmp_path, limit=90)
+    """2 ranks, a weight tied across them, dropout: fastpipe.checkpoint, each rank's own
+    state dicts in its own file, and torch's get/set_state_dict (flattened) resume bit for bit
+    (parameters, Adam's moments and step); torch's default route, whose checkpoint keeps one
+    rank's parameter groups, is refused on the rank that lost them (at set_state_dict when
+    fastpipe was handed the optimizer before, else at the step), before the step changes
+    anything; refused loads raise on every rank; no optimizer-wide hook exists."""
+    results = _two_launches("resume", 2, tmp_path, limit=120)
     for rank, r in enumerate(results):
-        assert r["checked"] == {"fastpipe_checkpoint": 8, "per_rank_state_dicts": 8,
-                                "torch_state_dict_helpers": 8}
-        assert r["fresh_template"].startswith("OptimizerStateError")
+        assert r["checked"] == {"fastpipe_checkpoint": 32, "per_rank_files": 32,  # 8 + 8 x 3
+                                "torch_state_dict_helpers": 32}
+        assert r["no_global_hooks"]
         errors = r["errors"]
         assert errors["incomplete"].startswith("IncompleteCheckpointError")
         assert errors["latest"] == "step-3"
@@ -396,6 +409,15 @@ def test_distributed_pipe_resumes_bit_for_bit_in_new_processes(tmp_path):
         assert ("rank 1: " in errors["other_model"]) == (rank == 0)
         assert errors["different_directories"].startswith("ValueError: the ranks gave "
                                                           "different directory")
+    refused = [r["nested_in_this_process"] for r in results]
+    assert sum(e is not None for e in refused) == 1, refused  # the rank whose groups were lost
+    at_step = [r["nested_in_new_processes"] for r in results]
+    lost = [e for e in at_step if e.startswith("OptimizerStateError")]
+    assert len(lost) == 1 and "has no 'lr'" in lost[0] and "fastpipe.checkpoint" in lost[0]
+    others = [e for e in at_step if not e.startswith("OptimizerStateError")]
+    assert all(e.startswith("PipelineAborted") and "OptimizerStateError" in e for e in others)
+    for r in results:  # the traced pipe: at its split bit for bit, at another as the plain Net
+        assert len(r["traced_resumed"]) == 4 and all(n > 0 for n in r["traced_resumed"].values())
     first, last = (r["traced"] for r in results)  # the tied weight's one name on both ranks
     assert "state.embed.weight.exp_avg" in first and "state.embed.weight.exp_avg" in last
     assert "state.head.bias.exp_avg" in last and "state.head.weight.exp_avg" not in last
@@ -403,10 +425,21 @@ def test_distributed_pipe_resumes_bit_for_bit_in_new_processes(tmp_path):
 
 @needs_gloo
 def test_distributed_pipe_resumes_at_other_layouts(tmp_path):
-    """4 ranks: pipeline 2 x data 2 (tied weights) loaded at the same layout (bit for bit), at
-    pipeline 4, at pipeline 2 x data 2 with interleaved virtual stages, into the plain model
-    and back; pipeline 2 x tensor 2 loaded at the same layout and as pipeline 2 x FSDP 2, with
-    fastpipe.checkpoint and with torch's get_state_dict / set_state_dict."""
-    results = _two_launches("layouts", 4, tmp_path, limit=120)
-    assert all(r == results[0] for r in results)
-    assert len(results[0]) == 7
+    """4 ranks: pipeline 2 x data 2 (tied weights), pipeline 2 x tensor 2 and pipeline 2 x
+    FSDP 2, saved by fastpipe.checkpoint and torch's flattened and nested helpers.
+    fastpipe.checkpoint and the flattened helpers resume at the same layout (bit for bit) and
+    at others (pipeline 4, interleaved, FSDP from tensor parallel and back): parameters,
+    Adam's moments and step; the nested route is refused, at the saving layout and at
+    pipeline 4, on the ranks whose groups the checkpoint lost; a plain model's checkpoint
+    (fastpipe's, torch's nested and flattened) loads into the pipes."""
+    results = _two_launches("layouts", 4, tmp_path, limit=240)
+    cells = [k for k in results[0] if " by " in k]
+    assert len(cells) == 13 and all(set(r) == set(results[0]) for r in results)
+    assert all(r[k] > 0 for r in results for k in cells)
+    assert all(r["plain"] > 0 and len(r["plain_by_helpers"]) == 4
+               and all(n > 0 for n in r["plain_by_helpers"].values()) for r in results)
+    for name in ("dp", "dp at pipeline 4", "tp"):  # the ranks of the layers one stage lost
+        refused = {rank for rank, r in enumerate(results) if r["nested"][name] is not None}
+        assert refused in ({0, 1}, {2, 3}), (name, refused)
+        assert all(results[rank]["nested"][name].startswith("OptimizerStateError")
+                   for rank in refused)

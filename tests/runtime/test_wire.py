@@ -46,6 +46,8 @@ def test_header_carries_the_loss_in_its_dtype(dtype):
     [torch.randn(3, 5)],
     [torch.randn(2, 3), None, torch.arange(7), torch.tensor(True), torch.randn(()).double()],
     [None, torch.randn(4, 1).t()],  # one tensor, not contiguous
+    [torch.ones(2, 1).expand(2, 5)],  # one tensor, overlapping (stride 0)
+    [torch.randn(3, 4)[:, ::2], torch.empty(0, 3), torch.randn(2, 3, dtype=torch.float64).t()],
     [torch.randn(5, dtype=torch.bfloat16), torch.randint(0, 9, (3,), dtype=torch.int8)],
 ])
 def test_pack_and_unpack_give_back_the_same_tensors(tensors):
@@ -65,6 +67,13 @@ def test_a_single_contiguous_tensor_is_sent_without_a_copy():
     assert pack([t]).data_ptr() == t.data_ptr()
 
 
+def test_a_single_strided_tensor_is_packed_to_its_exact_size():
+    t = torch.randn(5, 3).t()
+    payload = pack([t])
+    assert payload.numel() == payload_size(layouts_of([t])) == t.numel() * 4
+    assert payload.data_ptr() != t.data_ptr()
+
+
 def test_packed_tensors_are_aligned():
     tensors = [torch.randn(3), torch.randn(1, dtype=torch.float64), torch.ones(5, dtype=torch.int16)]
     assert payload_size(layouts_of(tensors)) % ALIGN == 0
@@ -77,12 +86,12 @@ def test_messages_survive_the_metadata_round_trip():
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
     message = Message(spec, constants, Parcel(tensors), [True, False])
-    meta = Meta.decode(to_meta(message, tensors).encode())
+    meta = Meta.decode(to_meta(message, tensors).encode(), 1)
     back = from_meta(meta, tensors)
     assert back.spec == spec and back.requires_grad == [True, False]
     assert [c is _TENSOR for c in back.constants] == [c is _TENSOR for c in constants]
     bare = Message(_flatten(torch.ones(1))[1], [_TENSOR], Parcel([torch.ones(1)]), [True])
-    assert from_meta(Meta.decode(to_meta(bare, [torch.ones(1)]).encode()), []).spec is bare.spec
+    assert from_meta(Meta.decode(to_meta(bare, [torch.ones(1)]).encode(), 1), []).spec is bare.spec
 
 
 def test_buckets_respect_size_dtype_and_order():

@@ -12,8 +12,9 @@ then leaves with it. A message has two channels:
   waits for its device to learn what arrives: it runs ahead and keeps the GPU's queue full.
   A failing rank's notice comes in a header's place, on GPUs too;
 - the data channel (the device's backend: NCCL, or gloo on the CPU): the payload, and the
-  micro-batch's loss as a tensor of its own (``Header.attached``), so the loss never has to be
-  read on the host to travel.
+  micro-batch's loss as a tensor of its own (``Header.attached``; with ``(loss_sum, count)``
+  losses its count too, ``Header.count_attached``), so neither has to be read on the host to
+  travel.
 
 Every data receive is sized exactly (NCCL needs equal sizes on both ends), in two phases:
 
@@ -29,7 +30,7 @@ posted in the same order on both, as NCCL pairs them (the groups of the NCCL pro
 metadata (bounded); on a GPU, a data receive is waited for by the streams that use it
 (``work.wait()``: no host synchronisation), on gloo by the host (bounded). Buffers the
 transport would read on the host go through :class:`~.wire.HostReads`: in this transport none
-does, on any step (``pipe.last_step.host_reads == 0``). Sends are never waited for before the
+does, on any step (none of ``pipe.last_step.host_reads`` is this transport's). Sends are never waited for before the
 step's end, as on NCCL, where the CPU only enqueues them.
 """
 from __future__ import annotations
@@ -44,12 +45,13 @@ from ...errors import PipelineError
 from ...schedule import Comm, CommGroup, CommKind
 from ...schedule.lower import comm_fields
 from ...schedule.nccl_model import consumer_of
+from ...streams.exchange import ExchangeStreams
 from ..lowering import carries_loss
 from .mailbox import Mailbox
 from .message import Message
 from .p2p import (ABORT_KIND, HEADER_TAG, META_TAG, PAYLOAD_TAG, PeerFailed, SendLog, Transport,
     TransportError, from_meta, to_meta)
-from .wire import HEADER_LEN, Header, Meta, pack, unpack
+from .wire import HEADER_LEN, Header, Meta, attach, detach_attached, pack, unpack
 
 SizeKey = Tuple[int, int, int, int]  # (sending stage, channel, receiving stage, micro-batch)
 Sizes = Tuple[int, int]  # bytes of a message's data parts: the payload, the attached loss
@@ -120,7 +122,11 @@ class GroupedExchange:
     sizes: Dict[SizeKey, Sizes] = field(default_factory=dict)  # last data sizes, both ends
     _meta_sent: Dict[Tuple[int, int], Meta] = field(default_factory=dict)  # (stage, channel)
     _meta_seen: Dict[Tuple[int, int], Meta] = field(default_factory=dict)
-    consumer_streams: List[Any] = field(default_factory=list)  # CUDA: the local stages' streams
+    streams: Optional[ExchangeStreams] = None  # the communication stream (default: device's)
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            self.streams = ExchangeStreams(self.transport.device)
 
     def run(self, group: CommGroup, mailboxes: Sequence[Mailbox], wait: Wait) -> List[Header]:
         """Send and receive every message of ``group``; received ones go into their stage's
@@ -129,7 +135,12 @@ class GroupedExchange:
 
     def post(self, group: CommGroup) -> "Posted":
         """Post phase 1 of ``group`` without waiting: headers (and changed metadata) on the
-        side channel, the data parts of cached sizes on the data channel."""
+        side channel, the data parts of cached sizes on the data channel (on a GPU: on the
+        communication stream, after the local stages' work, :mod:`fastpipe.streams.exchange`)."""
+        with self.streams.posting():
+            return self._post(group)
+
+    def _post(self, group: CommGroup) -> "Posted":
         sends = [self._outgoing(op) for op in group.ops if op.kind is CommKind.SEND]
         receives = [self._incoming(op) for op in group.ops if op.kind is CommKind.RECV]
         for inc in receives:
@@ -149,7 +160,13 @@ class GroupedExchange:
                wait: Wait) -> List[Header]:
         """Read a posted group's headers (the host waits for them, bounded: a failure notice
         comes in a header's place), wait for its phase 1, run its phase 2 if a header asks
-        for one, and deliver what it received; returns the received headers."""
+        for one, and deliver what it received; returns the received headers. On a GPU the
+        local stages' streams then wait for the communication stream."""
+        with self.streams.finishing():
+            return self._finish(posted, mailboxes, wait)
+
+    def _finish(self, posted: "Posted", mailboxes: Sequence[Mailbox],
+                wait: Wait) -> List[Header]:
         group, sends, receives = posted.group, posted.sends, posted.receives
         headers = [self._read_header(inc, wait, group) for inc in receives]
         self._await(posted.launched, wait, group)
@@ -181,11 +198,15 @@ class GroupedExchange:
         meta_data = meta.encode() if self._meta_sent.get(where) != meta else None
         self._meta_sent[where] = meta
         loss = info.loss_tensor(mb, self.transport.device) if carries_loss(key) else None
-        parts = (_as_bytes(pack(tensors)), _as_bytes(loss))
+        count = info.count_tensor(mb, self.transport.device) if loss is not None else None
+        parts = (_as_bytes(pack(tensors, self.streams.backend)),
+                 None if loss is None else attach(loss, count))
+        self.streams.read([*tensors, loss, count])  # read by the pack: not reused before
         header = Header(kind, mb, key.virtual_stage, info.num_microbatches, info.batch_size,
                         0 if meta_data is None else meta_data.numel(), _sizes(parts)[0],
                         info.step, None, torch.float32 if loss is None else loss.dtype,
-                        info.count(mb) if carries_loss(key) else -1.0, attached=loss is not None)
+                        attached=loss is not None, count_attached=count is not None,
+                        version=info.version(mb))
         size_key = (self.stage, kind, key.virtual_stage, mb)
         cached = self.sizes.get(size_key, NONE)
         self.sizes[size_key] = _sizes(parts)
@@ -203,14 +224,13 @@ class GroupedExchange:
         part = out.parts[index]
         if part is not None and part.numel() == out.cached[index]:
             return part
-        return torch.zeros(out.cached[index], dtype=torch.uint8, device=self.transport.device)
+        return self.streams.filler(out.cached[index])
 
     # ---------------------------------------------------------------- receiving
     def _incoming(self, op: Comm) -> _Incoming:
-        device = self.transport.device
         kind = self.transport.channels.index(op)
         cached = self.sizes.get((op.peer, kind, op.virtual_stage, op.microbatch), NONE)
-        first = [torch.empty(n, dtype=torch.uint8, device=device) if n else None for n in cached]
+        first = [self.streams.buffer(n) if n else None for n in cached]
         return _Incoming(op, self.ranks[op.peer], torch.empty(HEADER_LEN, dtype=torch.int64),
                          cached, first)
 
@@ -233,7 +253,7 @@ class GroupedExchange:
             data = torch.empty(header.meta_nbytes, dtype=torch.uint8)
             wait(self._side(dist.irecv, data, inc.rank, META_TAG, group),
                  f"the metadata of '{op}' in the exchange {group}")
-            self._meta_seen[(header.dst_stage, header.kind)] = Meta.decode(data)
+            self._meta_seen[(header.dst_stage, header.kind)] = Meta.decode(data, inc.rank)
         return header
 
     def _notice(self, inc: _Incoming, header: Header, wait: Wait) -> str:
@@ -252,7 +272,7 @@ class GroupedExchange:
             if size == cached:
                 inc.parts[i] = inc.first[i]
             elif size:
-                inc.parts[i] = torch.empty(size, dtype=torch.uint8, device=self.transport.device)
+                inc.parts[i] = self.streams.buffer(size)
                 ops.append((dist.irecv, inc.parts[i], inc.rank, PAYLOAD_TAG))
         return ops
 
@@ -262,14 +282,14 @@ class GroupedExchange:
             raise PipelineError("a message arrived without its metadata (the sender's cache and "
                                 "this rank's disagree: were both pipes rebuilt together?)")
         info = self.transport.info
+        info.tagged(header)  # PipeDream's weight version of the micro-batch
         payload, loss = inc.parts
-        for part in (p for p in (payload, loss) if p is not None):
-            for stream in self.consumer_streams:  # allocated on the communication stream,
-                part.record_stream(stream)         # read on the stages': the allocator knows
+        self.streams.hand_over((payload, loss))  # the stages' streams use them
         if carries_loss(inc.op) and loss is not None:  # stays on the device: never read here
-            info.losses.setdefault(header.microbatch, loss.view(header.loss_dtype).reshape(()))
-        if carries_loss(inc.op) and header.count >= 0 and info.token_mean:
-            info.token_mean.count(header.microbatch, header.count)  # before any backward
+            value, count = detach_attached(header, loss)
+            info.losses.setdefault(header.microbatch, value)
+            if count is not None and info.token_mean is not None:
+                info.token_mean.count(header.microbatch, count)  # before any backward
         buffer = payload if payload is not None else torch.empty(
             0, dtype=torch.uint8, device=self.transport.device)
         mailboxes[header.dst_stage].put(inc.op, from_meta(meta, unpack(buffer, meta.layouts)))

@@ -26,7 +26,8 @@ from .device_copy import Parcel
 from ..lowering import carries_loss
 from .mailbox import Mailbox
 from .message import BARE, TENSOR, Message
-from .wire import HEADER_LEN, LOSS_DTYPES, Header, HostReads, Meta, layouts_of, pack, unpack
+from .wire import (COUNT_DTYPE, HEADER_LEN, LOSS_DTYPES, Header, HostReads, Meta, layouts_of,
+                   pack, unpack)
 
 # fastpipe's tags, apart from a user's own small ones: headers, metadata, payloads. Each is a
 # first-in first-out stream per pair of ranks (gloo matches receives to sends by tag, in order).
@@ -116,11 +117,38 @@ class StepInfo:
     batch_size: int = 0
     losses: Dict[int, Any] = field(default_factory=dict)  # micro-batch -> 0-dim tensor
     token_mean: Optional[Any] = None  # a token_mean.TokenMean: counts of (loss_sum, count)
+    tags: Dict[int, int] = field(default_factory=dict)  # micro-batch -> weight version (PipeDream)
 
-    def count(self, microbatch: int) -> float:
-        """The micro-batch's count, with ``(loss_sum, count)`` losses (-1 otherwise)."""
+    def version(self, microbatch: int) -> int:
+        """The weight version tag the first stage gave ``microbatch``, for its messages'
+        headers (PipeDream's ``StepState.tags``; -1 when it has none)."""
+        return self.tags.get(microbatch, -1)
+
+    def tagged(self, header: Header) -> None:
+        """Keep the weight version tag a received message's micro-batch carries, before any
+        action uses the message."""
+        if header.version >= 0:
+            self.tags.setdefault(header.microbatch, header.version)
+
+    def count(self, microbatch: int, reads: HostReads) -> float:
+        """The micro-batch's count as a number, with ``(loss_sum, count)`` losses (a read on
+        the host when it is a tensor; -1 without a count)."""
+        value = self._count(microbatch)
+        if isinstance(value, torch.Tensor):
+            return reads.number(value)
+        return -1.0 if value is None else float(value)
+
+    def count_tensor(self, microbatch: int, device: torch.device) -> Optional[torch.Tensor]:
+        """The micro-batch's count as one element on ``device``, read by nobody (``None``
+        without a count)."""
+        value = self._count(microbatch)
+        if value is None:
+            return None
+        return torch.as_tensor(value, dtype=COUNT_DTYPE).reshape(1).to(device)
+
+    def _count(self, microbatch: int) -> Any:
         counts = self.token_mean.counts if self.token_mean is not None else {}
-        return counts.get(microbatch, -1.0)
+        return counts.get(microbatch)
 
     def loss(self, microbatch: int, reads: HostReads) -> Tuple[Optional[float], torch.dtype]:
         """The micro-batch's loss as a number (a read on the host) and its dtype (``None`` when
@@ -192,7 +220,8 @@ class Outbox:
                         0 if meta_data is None else meta_data.numel(),
                         0 if payload is None else payload.numel() * payload.element_size(),
                         self.info.step, loss, loss_dtype,
-                        self.info.count(mb) if carries_loss(key) else -1.0)
+                        self.info.count(mb, self.transport.reads) if carries_loss(key)
+                        else -1.0, version=self.info.version(mb))
         what = (f"{self.channels.name(kind)} of micro-batch {mb} to stage {self.virtual_stage} "
                 f"on rank {self.rank}")
         self._isend(header.encode().to(self.device), HEADER_TAG, what)
@@ -273,6 +302,7 @@ class Inbox:
             raise ValueError(f"a message of kind {header.kind} for stage {header.dst_stage}: do "
                              f"all ranks build the same model (same skip connections, stages)?")
         key, message = self._message(header, early, timeout)
+        self.info.tagged(header)
         if carries_loss(key) and header.loss is not None:
             self.info.losses.setdefault(header.microbatch,
                                         torch.tensor(header.loss, dtype=header.loss_dtype))
@@ -313,7 +343,7 @@ class Inbox:
         if header.meta_nbytes:
             data = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=self.device)
             self._recv(data, META_TAG, timeout)
-            self._meta[where] = Meta.decode(self.transport.reads.read(data))
+            self._meta[where] = Meta.decode(self.transport.reads.read(data), self.src_rank)
         meta = self._meta.get(where)
         if meta is None:
             raise ValueError("a message arrived without its metadata (the sender's cache and "
@@ -344,7 +374,7 @@ def send_failure(rank: int, group: Any, device: torch.device, reason: str,
 
 
 def to_meta(message: Message, tensors: List[Optional[torch.Tensor]]) -> Meta:
-    """The picklable structure of a stage message (the runtime's sentinels become flags)."""
+    """The structure of a stage message, as data (the runtime's sentinels become flags)."""
     mask = [x is TENSOR for x in message.constants]
     constants = [None if is_tensor else x for x, is_tensor in zip(message.constants, mask)]
     spec = None if message.spec is BARE else message.spec
