@@ -29,7 +29,7 @@ from .policies.tied import TiedWeight
 from .errors import ProcessGroupError
 from .frontdoor import Blueprint, FrontDoor, OnRanks, plan_pipeline
 from .frontdoor.layout_option import resolve_layout
-from .parallel import checkpoint as sharded_state, optimizer_names, setup as parallel_setup
+from .parallel import checkpoint as sharded_state, optimizer_loads, setup as parallel_setup
 from .parallel.mesh import Mesh, init_mesh  # noqa: F401 - the public init_mesh
 from .placement import StagesStayPut
 from .runtime.transport import backends
@@ -39,7 +39,6 @@ from .runtime.transport.backends import init_process_group  # noqa: F401 - safe 
 from .runtime.dist_executor import Topology
 from .runtime.drivers.per_rank import PerRankDriver, RemoteStage
 from .runtime.stage import Stage
-from .runtime.gradients.tied import TiedSync
 from .skip import exchange as skip_exchange
 from .skip.api import declaration
 
@@ -74,7 +73,8 @@ class DistributedPipe(StagesStayPut, FrontDoor):
             for ``'zbv'`` and ``'dualpipev'``, else 1).
         process_group: the pipeline's ranks, in stage order (default: the whole world).
         data_parallel_group: the replicas of this rank's stage in other pipelines; their
-            gradients are averaged (default: none).
+            gradients are averaged (default: none); with ``schedule='pipedream'``, each
+            micro-batch's before each update, so every replica applies the same updates.
         device: where this rank's layers run. Default: ``cuda:LOCAL_RANK`` when the process
             group carries CUDA tensors over NCCL (``init_process_group()`` with no backend,
             ``'nccl'`` or ``'cpu:gloo,cuda:nccl'``) and a GPU exists, else the CPU. A device the
@@ -92,7 +92,12 @@ class DistributedPipe(StagesStayPut, FrontDoor):
             module already shares stay tied. A tied parameter used on several ranks has a copy
             on each; the copies start equal (broadcast from the first stage that uses it), their
             gradients are summed across those ranks at the end of every step, so identical
-            optimizer steps keep them equal.
+            optimizer steps keep them equal. With ``schedule='pipedream'`` they are summed and
+            applied per micro-batch instead, as ``Pipe`` does
+            (``fastpipe.runtime.tied_versions``), for weights the first stage uses.
+        vertical_sync: as in ``Pipe``: with ``schedule='pipedream'``, run each micro-batch on
+            every stage with the weight version stage 0 gave it (the version travels in the
+            header of the micro-batch's messages; ``fastpipe.runtime.weight_versions``).
         split_points, example_inputs: as in ``Pipe``: any ``nn.Module`` is traced on
             ``example_inputs`` (every rank passes them) and cut at ``split_points``
             (``fastpipe.tracing``); names and state dicts are the module's own.
@@ -145,7 +150,7 @@ class DistributedPipe(StagesStayPut, FrontDoor):
                  tensor_parallel: Optional[parallel_setup.tensor.Plan] = None,
                  data_parallel: str = "replicate", compile: Union[bool, Dict[str, Any]] = False,
                  output_reduction: Optional[Dict[str, Any]] = None,
-                 layout: Optional[str] = None) -> None:
+                 layout: Optional[str] = None, vertical_sync: bool = False) -> None:
         super().__init__()
         compiler = compiling.check(compile)  # as takes_compiled resolved it
         par = _parallel(module, process_group, data_parallel_group, mesh=mesh,
@@ -160,6 +165,8 @@ class DistributedPipe(StagesStayPut, FrontDoor):
             deferred_batch_norm=deferred_batch_norm, tied=tied, split_points=cut.split_points,
             example_inputs=example_inputs, output_reduction=output_reduction)
         compiling.check_modes(compiler, checkpoint=blueprint.layout.checkpoint, sharded=par.active)
+        self._vertical_sync = weight_versions.check_vertical_sync(
+            vertical_sync, blueprint.layout.first_schedule, blueprint.layout.schedule)
         self._connect(par.pipeline_group, device, p2p)
         self._begin(blueprint, mesh=mesh)
         self._realise(blueprint, par, compiler, init_weights, cut.split_points)
@@ -177,7 +184,7 @@ class DistributedPipe(StagesStayPut, FrontDoor):
                  compiler: Optional[compiling.Compiler], init_weights: Any,
                  split_points: Any) -> None:
         """The plan on this rank: its stages built and wired, the driver, the tied weights'
-        copies made equal, the optimizers' names watched."""
+        copies made equal."""
         init = materialise.check_init_weights(init_weights)
         self._keep(_traced=(  # what generate() traces: no tensor kept
             None if blueprint.traced is None else generation.skeleton(blueprint.traced),
@@ -198,11 +205,12 @@ class DistributedPipe(StagesStayPut, FrontDoor):
         par.wire(stages, owner, rank, blueprint.layout.timeout)  # TP boundaries, before skips
         self.parallel = par
         skip_exchange.wire(stages, driver.skips)
-        self._pipedream = (weight_versions.PipeDream(stages)
-                           if self._schedule_name == "pipedream" else None)
-        _check_asynchronous(self._pipedream, par.data_group, driver.tied)
+        self._pipedream = (weight_versions.PipeDream(
+            stages, self._vertical_sync, replicas=driver.grad_sync,
+            across=driver.tied if driver.tied.trained() else None)
+            if self._schedule_name == "pipedream" else None)
+        driver.pipedream = self._pipedream  # its updates replace the step's gradient syncs
         driver.tied.broadcast_initial()
-        optimizer_names.watch(self)  # its optimizers' state_dict() keyed by plain names
 
     def _tie_and_materialise(self, blueprint: Blueprint, init: Any) -> List[TiedWeight]:
         """Tie the planned groups; give memory on this rank's device to the meta tensors its
@@ -246,6 +254,16 @@ class DistributedPipe(StagesStayPut, FrontDoor):
                                 compiler=compiler))
         _no_skips_in_factories(blueprint.module, kept)
         return stages, kept
+
+    def _train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                    loss_reduction: str, ending: Any) -> torch.Tensor:
+        """``FrontDoor``'s step; the optimizer it steps is checked first (a load that lost
+        this rank's parameter groups refuses the step) and watched (such a load is refused
+        when it happens): ``parallel.optimizer_loads``."""
+        if ending.optimizer is not None:
+            optimizer_loads.watch(ending.optimizer)
+            optimizer_loads.check_groups(ending.optimizer)
+        return super()._train_step(inputs, targets, loss_fn, loss_reduction, ending)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -317,21 +335,6 @@ def _parallel(module: Any, process_group: Any, data_parallel_group: Any, **optio
         module, process_group=backends.as_group(process_group, "process_group"),
         data_parallel_group=backends.as_group(data_parallel_group, "data_parallel_group"),
         **options)
-
-
-def _check_asynchronous(pipedream: Optional[Any], data_group: Optional[Any],
-                        tied: TiedSync) -> None:
-    """PipeDream updates each stage inside the step: no cross-rank gradient sums then."""
-    if pipedream is None:
-        return
-    if data_group is not None and dist.get_world_size(data_group) > 1:
-        raise NotImplementedError("schedule='pipedream' with data_parallel_group is not "
-                                  "supported (its updates happen per micro-batch, inside the "
-                                  "step); use a flushed schedule such as '1f1b'")
-    if tied.shared:
-        raise NotImplementedError("schedule='pipedream' with weights tied across ranks is not "
-                                  "supported; untie them or use a flushed schedule such as "
-                                  "'1f1b'")
 
 
 def _no_skips_in_factories(module: Any, kept: Dict[str, nn.Module]) -> None:

@@ -55,11 +55,20 @@ def test_two_version_example_by_hand():
     assert abs(a2 - without_stash) > 1e-4  # the example tells the two apart
 
 
-def reference_pipedream(stages, inputs, targets, schedule, vertical_sync):
-    """A sequential pure-PyTorch replay of ``schedule`` keeping every weight version."""
-    versions = [[[p.detach().clone() for p in s.parameters()]] for s in stages]
+def reference_pipedream(stages, inputs, targets, schedule, vertical_sync, tie=None):
+    """A sequential pure-PyTorch replay of ``schedule`` keeping every weight version.
+
+    ``tie``: stage -> the name of one weight in that stage's module, all one tied weight (its
+    value taken from the first such stage): it has versions of its own, updated with each
+    micro-batch's gradient summed over its stages (in stage order) after the backward on its
+    first stage, and every use by a micro-batch takes the version stage 0 tagged it with."""
+    tie = tie or {}
+    own = [[n for n, _ in s.named_parameters() if n != tie.get(i)] for i, s in enumerate(stages)]
+    values = [dict(s.named_parameters()) for s in stages]
+    versions = [[[values[i][n].detach().clone() for n in own[i]]] for i in range(len(stages))]
+    tied = [values[min(tie)][tie[min(tie)]].detach().clone()] if tie else []
     tags, used, graphs, pending = {}, {}, {}, [list(row) for row in schedule.actions]
-    acts, grads = {}, {}
+    acts, grads, shares = {}, {}, {}
     while any(pending):
         for s, row in enumerate(pending):
             if not row:
@@ -67,12 +76,17 @@ def reference_pipedream(stages, inputs, targets, schedule, vertical_sync):
             a, mb = row[0], row[0].microbatch
             if a.kind.value == "F" and (s == 0 or (s - 1, mb) in acts):
                 v = len(versions[s]) - 1
+                if s == 0:
+                    tags[mb] = v
                 if vertical_sync:
-                    v = tags.setdefault(mb, v) if s == 0 else tags[mb]
+                    v = tags[mb]
                 weights = [w.clone().requires_grad_() for w in versions[s][v]]
+                named = dict(zip(own[s], weights))
+                if s in tie:
+                    weights.append(tied[tags[mb]].clone().requires_grad_())
+                    named[tie[s]] = weights[-1]
                 h = (inputs[mb] if s == 0 else acts[(s - 1, mb)]).detach().requires_grad_(s > 0)
-                out = torch.func.functional_call(stages[s], dict(zip(
-                    [n for n, _ in stages[s].named_parameters()], weights)), (h,))
+                out = torch.func.functional_call(stages[s], named, (h,))
                 used[(s, mb)], graphs[(s, mb)] = v, (h, out, weights)
                 acts[(s, mb)] = out.detach()
             elif a.kind.value == "B" and (s == len(stages) - 1 or (s + 1, mb) in grads):
@@ -85,12 +99,17 @@ def reference_pipedream(stages, inputs, targets, schedule, vertical_sync):
                 if s:
                     grads[(s, mb)] = found[0]
                     found = found[1:]
+                if s in tie:
+                    shares[(s, mb)], found = found[-1], found[:-1]
+                    if s == min(tie):
+                        total = sum(shares[(u, mb)] for u in sorted(tie))
+                        tied.append(tied[-1] - LR * total)
                 live = versions[s][-1]
                 versions[s].append([w - LR * d for w, d in zip(live, found)])
             else:
                 continue
             row.pop(0)
-    return [v[-1] for v in versions], used
+    return [v[-1] for v in versions], used, tied
 
 
 @pytest.mark.parametrize("vertical_sync", [False, True])
@@ -106,8 +125,8 @@ def test_matches_sequential_reference(stages, chunks, vertical_sync):
                          checkpoint="except_last")
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     pipe.train_step(x, y, sq_sum, loss_reduction="sum", optimizer=opt)
-    expected, _ = reference_pipedream(parts, list(x.split(2)), list(y.split(2)),
-                                      pipe.plan(chunks), vertical_sync)
+    expected, _, _ = reference_pipedream(parts, list(x.split(2)), list(y.split(2)),
+                                         pipe.plan(chunks), vertical_sync)
     actual = [list(model[2 * s:2 * s + 2].parameters()) for s in range(stages)]
     for s, (mine, theirs) in enumerate(zip(actual, expected)):
         for p, q in zip(mine, theirs):
@@ -120,8 +139,8 @@ def test_vertical_sync_uses_one_version_index_per_micro_batch():
     parts = [copy.deepcopy(model[s:s + 1]) for s in range(3)]
     x, y = torch.randn(6, 3), torch.randn(6, 3)
     plan = fastpipe.get_schedule("pipedream", 3, 6)
-    _, free = reference_pipedream(parts, list(x.split(1)), list(y.split(1)), plan, False)
-    _, synced = reference_pipedream(parts, list(x.split(1)), list(y.split(1)), plan, True)
+    _, free, _ = reference_pipedream(parts, list(x.split(1)), list(y.split(1)), plan, False)
+    _, synced, _ = reference_pipedream(parts, list(x.split(1)), list(y.split(1)), plan, True)
     assert all(synced[(s, mb)] == synced[(0, mb)] for s in range(3) for mb in range(6))
     assert any(free[(s, mb)] != free[(0, mb)] for s in range(3) for mb in range(6))
 
@@ -197,14 +216,86 @@ def test_bad_arguments():
                       virtual_stages=2)
 
 
-def test_tied_weights_are_refused():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-    model[2].weight = model[0].weight
-    pipe = fastpipe.Pipe(model, chunks=2, balance=[2, 1], devices=["cpu"] * 2,
-                         schedule="pipedream")
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    with pytest.raises(NotImplementedError, match="tied"):
-        pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss(), optimizer=opt)
+@pytest.mark.parametrize("vertical_sync", [False, True])
+@pytest.mark.parametrize("stages,chunks,tied", [(3, 5, (0, 2)), (4, 6, (1, 3)), (2, 3, (0, 1)),
+                                                 (4, 7, (0, 2, 3))])
+def test_tied_weights_match_the_reference(stages, chunks, tied, vertical_sync):
+    """A weight several stages share: one sequence of versions, updated after the backward on
+    its first stage with each micro-batch's gradient summed over its stages, every use taking
+    the micro-batch's tag; the other weights as without the tie."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(stages)
+                            for layer in (nn.Linear(3, 3), nn.Tanh())])
+    for s in tied[1:]:
+        model[2 * s].weight = model[2 * tied[0]].weight
+    parts = [copy.deepcopy(model[2 * s:2 * s + 2]) for s in range(stages)]
+    x, y = torch.randn(chunks * 2 - 1, 3), torch.randn(chunks * 2 - 1, 3)  # uneven
+    pipe = fastpipe.Pipe(model, chunks=chunks, balance=[2] * stages, devices=["cpu"] * stages,
+                         schedule="pipedream", vertical_sync=vertical_sync,
+                         checkpoint="except_last")
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    assert [len(part) for part in x.chunk(chunks)] == [len(part) for part in x.split(2)]
+    assert len({len(part) for part in x.split(2)}) > 1  # the last micro-batch is shorter
+    pipe.train_step(x, y, sq_sum, loss_reduction="sum", optimizer=opt)
+    expected, _, tie = reference_pipedream(parts, list(x.split(2)), list(y.split(2)),
+                                           pipe.plan(chunks), vertical_sync,
+                                           tie={s: f"{2 * s}.weight" for s in tied})
+    torch.testing.assert_close(model[2 * tied[0]].weight.detach(), tie[-1], rtol=1e-5,
+                               atol=1e-6)
+    assert len(tie) == chunks + 1 and not torch.equal(tie[-1], tie[0])
+    for s in range(stages):
+        mine = [p for n, p in model[2 * s:2 * s + 2].named_parameters()
+                if not (s in tied and n == f"{2 * s}.weight")]
+        for p, q in zip(mine, expected[s]):
+            torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"stage {s}: {m}")
+
+
+class _NaNWeightGrad(torch.autograd.Function):
+    """Identity on ``x`` whose weight ``p`` gets a NaN gradient on a micro-batch of one sample
+    (the input gradient stays finite)."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        ctx.bad = x.shape[0] == 1
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((1,), float("nan") if ctx.bad else 0.0)
+
+
+class NaNWeightGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return _NaNWeightGrad.apply(x, self.p)
+
+
+def test_vertical_sync_goes_on_after_a_call_stopped_by_a_non_finite_gradient():
+    """Stage 1's weight gradient of the last micro-batch (one sample) is NaN: the call stops
+    there, after stage 2's fourth update and before stage 1's, so the stages' update counts
+    differ; the next call still gives each micro-batch one number of updates on every stage
+    (it used to look for a version no stage had kept), a tied weight's included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+                          nn.Sequential(nn.Linear(4, 4), nn.Tanh(), NaNWeightGrad()),
+                          nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    model[2][0].weight = model[0][0].weight
+    pipe = fastpipe.Pipe(model, chunks=4, balance=[1, 1, 1], devices=["cpu"] * 3,
+                         schedule="pipedream", vertical_sync=True)
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    x, y = torch.randn(7, 4), torch.randn(7, 4)  # micro-batches of 2, 2, 2, 1
+    with pytest.raises(fastpipe.NonFiniteError, match="stage 1 for micro-batch 3"):
+        pipe.train_step(x, y, nn.MSELoss(), optimizer=opt)
+    before = [v.version for v in pipe._pipedream.versions.values()]
+    assert before[1:] == [3, 4], before
+    x, y = torch.randn(8, 4), torch.randn(8, 4)  # micro-batches of 2: finite gradients
+    pipe.train_step(x, y, nn.MSELoss(), optimizer=opt)
+    assert [v.version for v in pipe._pipedream.versions.values()] == [b + 4 for b in before]
+    assert all(torch.isfinite(p).all() for p in pipe.parameters())
 
 
 def test_recommend_never_picks_pipedream():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,6 +32,8 @@ from ..stage import order_streams
 from ..step import StepState
 from ..gradients.tied import TiedSync
 from ..observe.trace import StepRecorder
+from ..transport.gather_data import gather_json
+from ..transport.wire import HostReads
 
 NAME_BYTES = 256  # a parameter name, as sent to every rank in a non-finite step's error
 _instances = itertools.count()  # ranks build their pipes in the same order: same ids everywhere
@@ -80,7 +81,7 @@ class PerRankDriver(Driver):
         self.grad_sync = (GradSync(data_group, self.board, timeout)
                           if self.replicas > 1 and sharded is None else None)
         self.tied = TiedSync(shared, topology.owner, topology.group, topology.device, self.board,
-                             timeout)
+                             timeout, side=self.executor.side)
         self.steps = 0
         self.broken: Optional[str] = None
         self.last_actions: Dict[Any, int] = {}
@@ -88,10 +89,14 @@ class PerRankDriver(Driver):
         # or over the whole mesh when gradients are sharded (tensor parallel, FSDP), the
         # replicated copies then counted on the mesh's first replica only (``coordinates``)
         self.closing_group = closing_group if closing_group is not None else topology.group
+        self.closing_side = backends.side_channel(self.closing_group)  # its reports: host numbers
         self.coordinates = coordinates
         self.syncing = True  # False inside no_sync(): the step's gradients stay local
         self.unsynced = False  # calls under no_sync() accumulated gradients not yet synced
         self._deferred: List[Any] = []  # stages whose data-parallel average waits (see below)
+        # PipeDream's weight versions (runtime.weight_versions): each stage updates after every
+        # micro-batch, its replicas' averages and tied weights' sums made then, not at the end
+        self.pipedream: Optional[Any] = None
 
     @property
     def norm_device(self) -> torch.device:
@@ -151,6 +156,7 @@ class PerRankDriver(Driver):
             backends.check_agreement(self._facts, self.board.facts(
                 dist.get_process_group_ranks(self.topology.group)), self.topology.rank)
         self.executor.wire(step, plan())
+        self.executor.info.tags = step.tags  # PipeDream's versions, the first message's too
         learned_from: Optional[int] = None
         entry = min(self.local)
         if entry > 0:
@@ -201,7 +207,8 @@ class PerRankDriver(Driver):
     def _after_action(self, step: StepState, stage: Any, action: Any) -> None:
         if self.sharded is not None:
             self.sharded.after_action(stage, action)
-        if self.grad_sync is not None and action in self.last_actions and self.syncing:
+        if self.grad_sync is not None and action in self.last_actions and self.syncing \
+                and self.pipedream is None:
             counted = step.token_mean is not None and step.token_mean.active
             if self.unsynced and counted:  # see finish_gradients
                 self._deferred.append(stage)
@@ -210,39 +217,57 @@ class PerRankDriver(Driver):
 
     def timeline(self, recorder: StepRecorder) -> Timeline:
         """Every rank's (start, end) of its actions, on one clock (a collective over the
-        pipeline group, bounded by the process group's timeout)."""
-        mine = (recorder.origin, recorder.resolved(  # GPU stages: their CUDA events read
-            {self.topology.stage: self.topology.device}, self.timeout))
-        parts: List[Any] = [None] * dist.get_world_size(self.topology.group)
-        dist.all_gather_object(parts, mine, group=self.topology.group)
-        origin = min(o for o, _ in parts)
+        pipeline group, each wait bounded by the pipe's timeout; the intervals travel as JSON
+        data, the actions as their strings)."""
+        rows = recorder.resolved(  # GPU stages: their CUDA events read
+            {self.topology.stage: self.topology.device}, self.timeout)
+        mine = [recorder.origin, [[stage, str(action), start, end]
+                                  for stage, action, start, end in rows],
+                [[stage, *seconds] for stage, seconds in recorder.cpu.items()]]
+        parts = gather_json(mine, self.topology.group, self.topology.device,
+                            lambda work, what: wait_work(work, self.timeout, what, self.board),
+                            "the intervals of a traced step")
+        origin = min(o for o, *_ in parts)
         intervals = [(stage, action, start + o - origin, end + o - origin)
-                     for o, rows in parts for stage, action, start, end in rows]
+                     for o, rows, _ in parts for stage, action, start, end in rows]
+        recorder.cpu = {stage: [cpu, wall] for _, _, cpus in parts for stage, cpu, wall in cpus}
         return Timeline.from_intervals(recorder.num_stages, intervals, source="measured",
                                        unit="s")
 
-    def loss(self, step: StepState, num_microbatches: int) -> Tuple[torch.Tensor, Optional[float]]:
+    def loss(self, step: StepState,
+             num_microbatches: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The step's loss on every rank: the last stage's rank computed the micro-batch losses,
-        the others received them in the headers of their gradients (averaged over replicas).
-        With ``(loss_sum, count)`` losses, the sums over the total count (over the replicas
-        too), which is also returned; else ``None``."""
+        the others received them with their gradients (averaged over replicas). With
+        ``(loss_sum, count)`` losses, the sums over the total count (over the replicas too),
+        which is also returned; else ``None``. Summed on this rank's device, never read."""
         missing = [i for i in range(num_microbatches) if i not in step.losses]
         if missing:
             raise PipelineError(f"rank {self.topology.rank}: the losses of micro-batches "
                                 f"{missing} never arrived with their gradients")
-        total = math.fsum(float(step.losses[i]) for i in range(num_microbatches))
+        device = self.topology.device
+        total = torch.stack([step.losses[i].detach().reshape(()).to(device, torch.float64)
+                             for i in range(num_microbatches)]).sum()
         token_mean = step.token_mean
         counted = token_mean is not None and token_mean.active
-        values = [total, token_mean.total()] if counted else [total]
-        sums = torch.tensor(values, dtype=torch.float64, device=self.topology.device)
+        sums = torch.stack([total, token_mean.total(device)]) if counted else total.reshape(1)
         if self.replicas > 1:
             work = dist.all_reduce(sums, group=self.data_group, async_op=True)
             wait_work(work, self.timeout, "the data-parallel loss average", self.board)
         dtype = step.losses[0].dtype
         if counted:
-            count = float(sums[1])
-            return (sums[0] / count if count > 0 else sums[0] * 0).to(dtype), count
+            count = sums[1]
+            return torch.where(count > 0, sums[0] / count, sums[0] * 0).to(dtype), count
         return (sums[0] / self.replicas).to(dtype), None
+
+    def replica_sums(self, values: List[float]) -> List[float]:
+        """``values`` added over the data-parallel replicas (one all-reduce of the data group,
+        bounded by the pipe's timeout)."""
+        if self.replicas == 1:
+            return list(values)
+        sums = torch.tensor(values, dtype=torch.float64, device=self.topology.device)
+        work = dist.all_reduce(sums, group=self.data_group, async_op=True)
+        wait_work(work, self.timeout, "the data-parallel sum of the loss weights", self.board)
+        return sums.tolist()
 
     # ---------------------------------------------------------------- gradients
     def begin_training(self, sync: bool) -> None:
@@ -250,22 +275,27 @@ class PerRankDriver(Driver):
         aside until the step syncs (so only what this window added is summed), and FSDP defers
         its reduction while ``sync`` is False."""
         self.syncing = sync
-        self.tied.begin()
+        if self.pipedream is None:  # PipeDream syncs (and updates) per micro-batch
+            self.tied.begin()
         if self.sharded is not None:
             self.sharded.syncing = sync
 
-    def finish_gradients(self, step: StepState, count: Optional[float]) -> None:
+    def finish_gradients(self, step: StepState, count: Optional[torch.Tensor]) -> None:
         """The step's gradients made final, in an order that keeps accumulation exact: the
         data-parallel average, the division by the token count of ``(loss_sum, count)`` losses
         (after the average, which was launched as each stage finished; before it, when calls
         under ``no_sync()`` left replica-specific gradients that the count must not divide),
-        then the sums of tied weights. Inside ``no_sync()``: only the division."""
+        then the sums of tied weights. Inside ``no_sync()``: only the division. Under
+        PipeDream: the updates of tied weights' copies still to come (``PipeDream.finish``)."""
         if count is not None and self.sharded is not None and (self.unsynced or
                                                                not self.syncing):
             raise NotImplementedError(
                 "(loss_sum, count) losses inside pipe.no_sync() with data_parallel='fsdp': FSDP "
                 "keeps the unsynced gradients where the count cannot reach them; call "
                 "train_step without no_sync(), or return a mean loss")
+        if self.pipedream is not None:  # each update synced as it came; the last ones now
+            self.pipedream.finish(step, self.executor.info.num_microbatches)
+            return
         if not self.syncing:
             if count is not None:
                 step.token_mean.finish(count, scale=self.replicas)
@@ -301,7 +331,7 @@ class PerRankDriver(Driver):
         another did not complete."""
         values = self._all_gather(torch.tensor(report.encode(), dtype=torch.float64),
                                   "every rank of the pipeline to finish the step")
-        return [closing.Report.decode(v.tolist()) for v in values]
+        return [closing.Report.decode(v.tolist()) for v in values]  # host numbers: no read
 
     def name_of(self, culprit: closing.Report, counted: Sequence[grad_norm.Counted]) -> str:
         """The culprit rank's parameter name, sent to every rank (the error path only)."""
@@ -311,23 +341,26 @@ class PerRankDriver(Driver):
         buffer[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) \
             if mine else buffer[:0]
         names = self._all_gather(buffer, "the name of the non-finite gradient")
-        ranks = dist.get_process_group_ranks(self.closing_group)
+        ranks = dist.get_process_group_ranks(self.closing_side)
         raw = names[ranks.index(culprit.rank)]
         return bytes(raw[raw != 0].tolist()).decode(errors="replace")
 
     def _all_gather(self, value: torch.Tensor, what: str) -> List[torch.Tensor]:
-        """``value`` from every rank of the closing group, in group order (bounded wait)."""
+        """``value`` (a CPU tensor) from every rank of the closing group, in group order, over
+        the group's side channel (gloo, CPU tensors: the host reads no device buffer, and
+        waits for the other ranks' hosts only; bounded)."""
         self.board.liveness.at(self.steps, f"waiting for {what}")
-        value = value.to(self.topology.device)
         parts = [torch.empty_like(value) for _ in range(dist.get_world_size(self.closing_group))]
         try:
-            work = dist.all_gather(parts, value, group=self.closing_group, async_op=True)
+            work = dist.all_gather(parts, value, group=self.closing_side, async_op=True)
         except RuntimeError as error:
             raise self.board.lost(f"waiting for {what}", error) from None
         wait_work(work, self.timeout, what, self.board)
         self.board.liveness.at(self.steps, "between steps")
-        return [p.cpu() for p in parts]
+        return parts
 
-    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> bool:
-        amp.unscale_and_sync(scaler, optimizer, timeout=self.timeout)
-        return scaler_found_inf(scaler, optimizer)
+    def before_update(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any],
+                      reads: HostReads) -> bool:
+        amp.unscale_and_sync(scaler, optimizer, timeout=self.timeout,
+                             device=self.topology.device)  # the flag reduces there
+        return scaler_found_inf(scaler, optimizer, reads)
