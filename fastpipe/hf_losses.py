@@ -11,6 +11,14 @@ in 4.4x) are known here, by exact class; any other model's loss, or a known mode
   being transformers' ``ForCausalLMLoss``: a mean over ``labels[..., 1:] != ignore_index``
   (``shift_labels`` when given); with ``num_items_in_batch`` given, a sum over those tokens
   divided by it, so the micro-batch losses add up.
+- Mixture-of-experts causal LMs (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss, Jamba, Qwen3-Next,
+  PhiMoE, GraniteMoE): that loss plus ``router_aux_loss_coef`` times the router's
+  load-balancing loss, which the model also returns, unscaled, as ``aux_loss`` (when it
+  outputs its router logits). The load-balancing loss is a statistic of the micro-batch's
+  tokens, which no weighting turns into the whole batch's, so it is averaged over micro-batches
+  (Megatron-core's semantics; :class:`fastpipe.outputs.WithAuxiliary`).
+- A PEFT ``PeftModel`` (LoRA and the other tuners) computes its base model's loss: the base
+  model's rule.
 - Encoder-decoder LMs (T5, BART and their families), masked LMs and token classifiers:
   ``CrossEntropyLoss()`` over ``labels.view(-1)``: a mean over ``labels != -100``.
 - Sequence classifiers: by ``config.problem_type`` (set by the model's first forward with
@@ -24,7 +32,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from .outputs import IGNORE_INDEX, Rule, require
+from .outputs import IGNORE_INDEX, Cat, MicrobatchMean, Rule, WithAuxiliary, require
 
 _CAUSAL = frozenset({
     "GPT2LMHeadModel", "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
@@ -33,7 +41,18 @@ _CAUSAL = frozenset({
     "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "PhiForCausalLM",
     "Phi3ForCausalLM", "OlmoForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM",
     "Starcoder2ForCausalLM", "GraniteForCausalLM", "CohereForCausalLM", "SmolLM3ForCausalLM",
+    "DeepseekV3ForCausalLM", "MambaForCausalLM", "Mamba2ForCausalLM",
 })
+# mixture-of-experts causal LMs: ForCausalLMLoss, plus ``router_aux_loss_coef`` times the
+# router's load-balancing loss (returned unscaled as ``aux_loss``) when the model outputs its
+# router logits (``output_router_logits``)
+_MOE_CAUSAL = frozenset({
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+    "GptOssForCausalLM", "JambaForCausalLM", "Qwen3NextForCausalLM", "PhimoeForCausalLM",
+    "GraniteMoeForCausalLM",
+})
+# the mixture-of-experts LMs that return their router logits when asked (one row per token)
+_ROUTED = _MOE_CAUSAL | {"DeepseekV3ForCausalLM"}
 _TOKENS = frozenset({
     # encoder-decoder LMs: decoder inputs are the labels shifted right, the loss is not shifted
     "T5ForConditionalGeneration", "MT5ForConditionalGeneration",
@@ -110,18 +129,35 @@ class ClassifierLoss(Rule):
 
 def known_rules(module: Any) -> Dict[str, Rule]:
     """The rule of the ``loss`` a Hugging Face model returns, for the classes known here
-    (``{}`` for any other module)."""
+    (``{}`` for any other module); for a mixture-of-experts LM also those of its
+    load-balancing loss (averaged over micro-batches) and of its router logits (a row per
+    token: concatenated)."""
     rule = _loss_rule(module)
-    return {} if rule is None else {"loss": rule}
+    if rule is None:
+        return {}
+    rules: Dict[str, Rule] = {"loss": rule}
+    if isinstance(rule, WithAuxiliary):
+        rules[rule.auxiliary] = MicrobatchMean()
+    if type(_adapted(module) or module).__name__ in _ROUTED:
+        rules["router_logits"] = Cat()  # one row per token of the micro-batch, in order
+    return rules
 
 
 def _loss_rule(module: Any) -> Optional[Rule]:
+    base = _adapted(module)
+    if base is not None:
+        return _loss_rule(base)
     cls = type(module)
     if not cls.__module__.startswith("transformers."):
         return None
     name = cls.__name__
     if name in _CAUSAL:
         return CausalLoss() if _default_loss(module, "ForCausalLM") else None
+    if name in _MOE_CAUSAL:
+        coefficient = getattr(module, "router_aux_loss_coef", None)
+        if not _default_loss(module, "ForCausalLM") or not isinstance(coefficient, (int, float)):
+            return None
+        return WithAuxiliary(CausalLoss(), "aux_loss", coefficient)
     if name in _TOKENS:
         return LabelMean()
     if name in _CLASSIFIERS:
@@ -131,6 +167,20 @@ def _loss_rule(module: Any) -> Optional[Rule]:
         return ClassifierLoss(module.config) if generic == "ForSequenceClassification" \
             else LabelMean()
     return None
+
+
+def _adapted(module: Any) -> Optional[Any]:
+    """The model a PEFT ``PeftModel`` adapts, when its adapter leaves the loss to that model
+    (LoRA and the other tuners: the model's own ``forward`` on the batch as given); ``None``
+    for any other module, and for prompt learning (virtual tokens prepended to the inputs and
+    their labels change what the loss is a mean over)."""
+    if not type(module).__module__.startswith("peft."):
+        return None
+    try:
+        prompt = module.active_peft_config.is_prompt_learning
+        return None if prompt else module.get_base_model()
+    except AttributeError:  # not a PeftModel (a tuner layer, another PEFT class)
+        return None
 
 
 def _default_loss(module: Any, loss_type: str) -> bool:

@@ -5,22 +5,24 @@ The loss is a leaf of the model's output (``'loss'``) and the labels are a model
 the traced graph carries to the stage that computes the loss. Each micro-batch's loss is a mean
 over its own elements (its tokens, its samples), so the step weighs it by the leaf's rule
 (:mod:`fastpipe.outputs`): as ``(loss * count, count)`` through the step's token-mean machinery
-(``fastpipe.runtime.gradients.token_mean``), whose total count divides the step's gradients, so
-loss and
-gradients are the plain model's on the whole batch, uneven micro-batches and ``-100`` padding
-included; a summed leaf (``num_items_in_batch`` given) is added as it is. On the process that
-runs the last stage the rule reads the micro-batch's labels, from the inputs given there.
+(``fastpipe.runtime.gradients.token_mean``), whose total count divides the step's gradients,
+so loss and gradients are the plain model's on the whole batch, uneven micro-batches and
+``-100`` padding included; a summed leaf (``num_items_in_batch`` given) is added as it is. On
+the process that runs the last stage the rule reads the micro-batch's labels, from the inputs
+given there. A loss with an auxiliary term (a mixture-of-experts LM's load-balancing loss) has
+that term averaged over the step's micro-batches instead (:class:`Bound`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .errors import LossFunctionError
 from .microbatch import batch_size
-from .outputs import Cat, OutputReductionError, OutputRules, Rule, leaves_by_name
+from .outputs import (Cat, OutputReductionError, OutputRules, Rule, WithAuxiliary,
+                      leaves_by_name)
 
 Context = Tuple[torch.Tensor, Dict[str, Any]]  # (an empty row per sample, named inputs read)
 
@@ -99,11 +101,21 @@ def rule_of(model_loss: ModelLoss, rules: OutputRules, loss_reduction: str) -> R
 @dataclass(frozen=True)
 class Bound:
     """One step's loss function on the last stage: the model's loss leaf, weighed by ``rule``
-    on the micro-batch's context (returned as ``(loss * count, count)`` when ``counted``)."""
+    on the micro-batch's context (returned as ``(loss * count, count)`` when ``counted``).
+
+    A loss with an auxiliary term (:class:`fastpipe.outputs.WithAuxiliary`: a
+    mixture-of-experts LM's load-balancing loss) has its main part weighed by the rule and
+    its auxiliary term averaged over the step's micro-batches (over data-parallel replicas
+    too): :meth:`for_step` sets ``scale``, what the auxiliary term is multiplied by so that
+    the step's division by the total count (or, for a summed loss, the data-parallel average)
+    leaves its mean. ``batch_weight``: the rule's weight of this process's whole batch."""
 
     leaf: str
     rule: Rule
     counted: bool
+    batch_weight: float = 0.0
+    summed: bool = False  # the rule adds the micro-batch losses (num_items_in_batch given)
+    scale: float = 1.0
 
     def __call__(self, output: Any, context: Context) -> Any:
         loss = read(output, self.leaf)
@@ -111,12 +123,39 @@ class Bound:
             loss = loss.reshape(())  # a loss of shape (1,), as older models return
         samples, named = context
         weight, normalised = self.rule.weight(named, samples.shape[0])
-        if not normalised:
-            return loss  # a sum: added as it is
+        main, extra = self._parts(output, loss)
+        if not normalised:  # a sum: added as it is
+            return main if extra is None else main + extra * self.scale
         if weight == 0:  # nothing counted: its mean is 0/0, and it must add nothing
-            zero = torch.where(torch.zeros((), dtype=torch.bool, device=loss.device), loss, 0.0)
-            return (zero, 0) if self.counted else zero
-        return (loss * weight, weight) if self.counted else loss
+            main = torch.where(torch.zeros((), dtype=torch.bool, device=main.device), main, 0.0)
+        if not self.counted:  # weighted by the step, by sample share (PipeDream)
+            return main if extra is None else main + extra
+        main = main * weight
+        return (main if extra is None else main + extra * self.scale), weight
+
+    def _parts(self, output: Any, loss: Any) -> Tuple[Any, Optional[Any]]:
+        """The main loss and the auxiliary term (its coefficient applied), or ``None`` when
+        the rule has none or the output lacks its leaf."""
+        rule = self.rule
+        if not isinstance(rule, WithAuxiliary):
+            return loss, None
+        auxiliary = leaves_by_name(output).get(rule.auxiliary)
+        if auxiliary is None:
+            return loss, None
+        extra = rule.coefficient * auxiliary
+        return loss - extra, extra
+
+    def for_step(self, microbatches: int, replica_sums: Callable[[List[float]], List[float]]
+                 ) -> "Bound":
+        """This bound for a step of ``microbatches`` micro-batches: with an auxiliary term,
+        its ``scale`` (``replica_sums`` adds values over the data-parallel replicas: a
+        collective of the last stage's processes); else itself."""
+        if not isinstance(self.rule, WithAuxiliary):
+            return self
+        if self.summed or not self.counted:
+            return replace(self, scale=1.0 / microbatches)
+        weight, count = replica_sums([self.batch_weight, float(microbatches)])
+        return replace(self, scale=weight / count)
 
 
 def bind(model_loss: ModelLoss, rules: OutputRules, inputs: Any, runs_last_stage: bool,
@@ -136,7 +175,7 @@ def bind(model_loss: ModelLoss, rules: OutputRules, inputs: Any, runs_last_stage
     named = rules.named(inputs)
     total = batch_size(inputs, argument="inputs")
     wanted = named if "*" in rule.reads else {k: named[k] for k in rule.reads if k in named}
-    _, normalised = rule.weight(wanted, total)  # the whole batch: checks what it reads
+    weight, normalised = rule.weight(wanted, total)  # the whole batch: checks what it reads
     context = (torch.empty(total, 0), wanted)
     reduction = "mean" if normalised else "sum"
-    return Bound(model_loss.leaf, rule, counted), context, reduction
+    return Bound(model_loss.leaf, rule, counted, weight, not normalised), context, reduction

@@ -3,7 +3,9 @@
 A leaf with one row per sample (dim 0 the micro-batch's size) is concatenated along the batch.
 Any other leaf, such as the loss a model returns inside its output, combines by a *rule* that
 makes the result the plain model's on the whole batch: ``'sum'``, or a mean weighted by what each
-micro-batch's mean is over (its samples, or its labels that are not ``-100``). A leaf whose rule
+micro-batch's mean is over (its samples, or its labels that are not ``-100``); a statistic of the
+micro-batch itself (a router's load-balancing loss) is averaged over micro-batches
+(``'microbatch_mean'``, and inside a loss that adds it: :class:`WithAuxiliary`). A leaf whose rule
 is not known is an :class:`OutputReductionError` naming it and the ``output_reduction`` option,
 never a guess. Leaves are named as ``output_reduction`` names them: ``'loss'``, ``'logits'``,
 ``'hidden_states[0]'``, ``'[1]'`` (a tuple's element), ``'output'`` (an output that is one
@@ -112,12 +114,41 @@ class Counted(Rule):
         return float(value), True
 
 
+class MicrobatchMean(Rule):
+    """A mean over micro-batches, each counting alike: a term computed per micro-batch and
+    averaged, as Megatron-core averages a mixture-of-experts router's load-balancing loss (its
+    statistics are over the micro-batch's tokens, so no weighting makes it the whole batch's)."""
+
+    label = "'microbatch_mean'"
+
+    def weight(self, inputs: Mapping[str, Any], size: int) -> Tuple[float, bool]:
+        return 1.0, True
+
+
+class WithAuxiliary(Rule):
+    """A loss that is a main loss plus ``coefficient`` times an auxiliary term the output also
+    holds as the leaf ``auxiliary`` (a mixture-of-experts LM's loss: cross-entropy plus the
+    router's load-balancing loss). Over micro-batches the main loss (the leaf minus the
+    auxiliary term) combines by ``main`` and the auxiliary term by :class:`MicrobatchMean`.
+    Without the auxiliary leaf (the model asked for no router statistics) the loss is the main
+    loss alone."""
+
+    def __init__(self, main: Rule, auxiliary: str, coefficient: float) -> None:
+        self.main, self.auxiliary, self.coefficient = main, auxiliary, float(coefficient)
+        self.reads = main.reads
+        self.label = (f"{main} plus {self.coefficient:g} x {auxiliary!r} averaged over "
+                      f"micro-batches")
+
+    def weight(self, inputs: Mapping[str, Any], size: int) -> Tuple[float, bool]:
+        return self.main.weight(inputs, size)
+
+
 NAMED_RULES: Dict[str, Callable[[], Rule]] = {
-    "cat": Cat, "sum": Sum, "mean": Mean,
+    "cat": Cat, "sum": Sum, "mean": Mean, "microbatch_mean": MicrobatchMean,
     "token_mean": lambda: TokenMean(shifted=False),
     "shifted_token_mean": lambda: TokenMean(shifted=True),
 }
-CHOICES = "'mean', 'sum', 'token_mean', 'shifted_token_mean', 'cat'"
+CHOICES = "'mean', 'sum', 'token_mean', 'shifted_token_mean', 'microbatch_mean', 'cat'"
 
 
 def require(inputs: Mapping[str, Any], name: str, rule: Rule) -> Any:
@@ -168,13 +199,14 @@ class OutputRules:
 
     def rule_for(self, name: str) -> Optional[Rule]:
         """The rule of the leaf ``name``: given for it or for a name above it (the longest),
-        else known for it, else ``None``."""
-        if name in self.given:
-            return self.given[name]
-        above = [key for key in self.given if name.startswith(key) and name[len(key)] in ".["]
-        if above:
-            return self.given[max(above, key=len)]
-        return self.known.get(name)
+        else known for it or for a name above it, else ``None``."""
+        for rules in (self.given, self.known):
+            if name in rules:
+                return rules[name]
+            above = [key for key in rules if name.startswith(key) and name[len(key)] in ".["]
+            if above:
+                return rules[max(above, key=len)]
+        return None
 
     def named(self, inputs: Any) -> Dict[str, Any]:
         """The model's inputs by name: keyword inputs, and positional ones named by the
@@ -268,13 +300,32 @@ def combine(outputs: Sequence[Any], sizes: Optional[Sequence[int]] = None,
             named["all"] = inputs() if inputs is not None else [{} for _ in outputs]
         return named["all"]
 
+    names = [leaf_name(path) for path, _ in flat[0][0]]
+    columns = {name: [leaves[index][1] for leaves, _ in flat]
+               for index, name in enumerate(names)}
     merged = []
-    for index in range(len(flat[0][0])):
-        name = leaf_name(flat[0][0][index][0])
-        column = [leaves[index][1] for leaves, _ in flat]
+    for name in names:
         rule = rules.rule_for(name) if rules is not None else None
-        merged.append(merge(name, column, rule, sizes, contexts))
+        if isinstance(rule, WithAuxiliary):
+            merged.append(with_auxiliary(name, columns, rule, sizes, contexts))
+        else:
+            merged.append(merge(name, columns[name], rule, sizes, contexts))
     return pytree.tree_unflatten(merged, spec)
+
+
+def with_auxiliary(name: str, columns: Mapping[str, Sequence[Any]], rule: WithAuxiliary,
+                   sizes: Optional[Sequence[int]], contexts: Contexts) -> Any:
+    """A loss with an auxiliary term: its main part weighed by the main rule, the auxiliary
+    term averaged over micro-batches; the main rule alone when the output has no auxiliary
+    leaf."""
+    column = columns[name]
+    auxiliary = columns.get(rule.auxiliary)
+    if auxiliary is None:
+        return weighted(name, column, rule.main, sizes, contexts)
+    c = rule.coefficient
+    main = weighted(name, [x - c * a for x, a in zip(column, auxiliary)], rule.main, sizes,
+                    contexts)
+    return main + c * weighted(rule.auxiliary, auxiliary, MicrobatchMean(), sizes, contexts)
 
 
 def merge(name: str, column: Sequence[Any], rule: Optional[Rule],

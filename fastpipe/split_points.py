@@ -1,8 +1,9 @@
 """Where a traced model is cut: split points named by the user, checked, or found for it.
 
 A split point is the name of a submodule that begins a stage. :func:`check_split_points` checks
-given names; :func:`auto_split_points` cuts the model's longest list of same-type blocks into
-stages of about equal parameter count (with the partition solver of :mod:`fastpipe.balance`).
+given names; :func:`auto_split_points` cuts the model's list of blocks (its longest list of
+same-type blocks, else a hybrid model's list of mixed blocks) into stages of about equal
+parameter count (with the partition solver of :mod:`fastpipe.balance`).
 A layout string's letters name the same list (:func:`repeated_blocks`) and what runs after it
 (:func:`module_after`).
 """
@@ -36,25 +37,33 @@ def check_split_points(module: nn.Module, split_points: Sequence[str]) -> list[s
 
 
 def repeated_blocks(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
-    """The module's largest list of same-type blocks (a ``ModuleList`` or ``Sequential`` of
-    more than one): its name and its blocks; ``None`` when it has none."""
-    best: tuple[str, list[nn.Module]] | None = None
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) > 1:
-            children = list(sub)
-            if len({type(c) for c in children}) == 1 and (best is None or
-                                                          len(children) > len(best[1])):
-                best = (name, children)
-    return best
+    """The module's list of blocks (a ``ModuleList`` or ``Sequential`` of more than one): its
+    longest list of same-type blocks; without one, its longest list of blocks of mixed types
+    that lies in no other list (a hybrid model's layers: Mamba and attention blocks). Its name
+    and its blocks (the first found of equal lengths: the outermost); ``None`` when it has
+    none."""
+    lists = [(name, list(sub)) for name, sub in module.named_modules()
+             if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub) > 1]
+    same = [(name, blocks) for name, blocks in lists if len({type(c) for c in blocks}) == 1]
+    if same:
+        return max(same, key=lambda found: len(found[1]))  # max keeps the first of a tie
+    outer = [(name, blocks) for name, blocks in lists
+             if not any(_within(name, other) for other, _ in lists)]
+    return max(outer, key=lambda found: len(found[1])) if outer else None
+
+
+def _within(name: str, other: str) -> bool:
+    """Whether the submodule ``name`` lies inside the submodule ``other`` ('' is the root)."""
+    return name != other and (other == "" or name.startswith(other + "."))
 
 
 def auto_split_points(module: nn.Module, stages: int) -> list[str]:
-    """Split points that cut the module's largest list of same-type blocks (a ``ModuleList`` or
-    ``Sequential``) into ``stages`` parts of about equal parameter count."""
+    """Split points that cut the module's list of blocks (:func:`repeated_blocks`) into
+    ``stages`` parts of about equal parameter count."""
     best = repeated_blocks(module)
     if best is None:
         raise ValueError(f"split_points='auto' found no list of repeated blocks (an "
-                         f"nn.ModuleList or nn.Sequential of same-type modules) in "
+                         f"nn.ModuleList or nn.Sequential of more than one module) in "
                          f"{type(module).__name__}; give split_points=[...] by name")
     prefix, blocks = best
     if stages > len(blocks):

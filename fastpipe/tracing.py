@@ -18,6 +18,14 @@ once for all the stages of the module: when they enter eval mode (``pipe.eval()`
 ``pipe.evaluate(...)``), else before the first step that runs them in eval mode
 (:func:`prepare`), else at their first eval-mode forward.
 
+Every size is left dynamic in the trace but those of image-like inputs (4 or more dimensions:
+the batch only). A trace that holds for one input shape only (``torch.export`` specialised a
+size, and its guard refuses another) is traced again for a batch of another shape, before the
+step that brings it (:func:`prepare`) or at the first stage's forward: one *variant* per shape,
+kept, one :class:`RetraceWarning` per module (see :mod:`fastpipe.graph_stage`). A ``forward``
+that takes inputs through ``**kwargs`` (a PEFT ``PeftModel``'s) is traced with them spelled out
+as parameters.
+
 The pieces live next to this module: the inputs (:mod:`fastpipe.model_call`), the split points
 (:mod:`fastpipe.split_points`), the cut of a traced graph into stages (:mod:`fastpipe.graph_cut`)
 and the stage module (:mod:`fastpipe.graph_stage`). This module traces, and builds the stages.
@@ -25,11 +33,12 @@ and the stage module (:mod:`fastpipe.graph_stage`). This module traces, and buil
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx, nn
@@ -42,9 +51,10 @@ from .graph_stage import GraphStage, place_constants
 from .model_call import Call, as_call
 from .split_points import auto_split_points, check_split_points
 
-__all__ = ["Call", "GraphStage", "Split", "SplitPoints", "TraceError", "Traced", "as_call",
-           "auto_split_points", "check_split_points", "local_view", "place_constants", "prepare",
-           "split", "stage_count", "stages_of", "trace", "trace_mode", "wanted"]
+__all__ = ["Call", "GraphStage", "RetraceWarning", "Split", "SplitPoints", "TraceError",
+           "Traced", "as_call", "auto_split_points", "check_split_points", "local_view",
+           "place_constants", "prepare", "split", "stage_count", "stages_of", "trace",
+           "trace_mode", "wanted"]
 
 SplitPoints = Union[str, Sequence[str]]
 
@@ -63,22 +73,40 @@ class Split:
 
 
 # ------------------------------------------------------------------------------ tracing
+# A split model's inputs of at least this many dimensions (images, videos: batch, channels,
+# height, width...) are traced with their batch size dynamic only: symbolic heights and widths
+# through windowed or patched attention cost ``torch.export`` minutes (a tiny Swin: 10 minutes
+# against seconds), and an image size rarely changes between steps; another size is traced
+# again when met (a variant). Other traces (a decode step's KV cache) keep every size dynamic.
+FIXED_SIZES_FROM = 4
+_FIXED_SIZES: contextvars.ContextVar[bool] = contextvars.ContextVar("fixed_sizes", default=False)
+
+
 def _dynamic(value: Any) -> Any:
-    """``dynamic_shapes`` for an input pytree: every dimension of every tensor left to export."""
-    return pytree.tree_map(lambda x: {d: torch.export.Dim.AUTO for d in range(x.dim())}
-                           if isinstance(x, torch.Tensor) else None, value)
+    """``dynamic_shapes`` for an input pytree: every dimension of every tensor left to export
+    (micro-batch sizes and sequence lengths vary), but only the batch of an image-like one when
+    a split model is traced."""
+    fixed = _FIXED_SIZES.get()
+
+    def dims(x: torch.Tensor) -> Dict[int, Any]:
+        kept = 1 if fixed and x.dim() >= FIXED_SIZES_FROM else x.dim()
+        return {d: torch.export.Dim.AUTO for d in range(kept)}
+
+    return pytree.tree_map(lambda x: dims(x) if isinstance(x, torch.Tensor) else None, value)
 
 
 def trace(module: nn.Module, example: Call) -> fx.GraphModule:
     """The module's forward as a graph (``torch.export``, non-strict), in its current mode,
     reading the module's own parameters and buffers."""
     try:
-        bound = inspect.signature(module.forward).bind(*example.args, **example.kwargs)
-        dynamic = {name: _dynamic(value) for name, value in bound.arguments.items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.export.export(module, tuple(example.args), dict(example.kwargs),
-                                          dynamic_shapes=dynamic, strict=False)
+        with _explicit_signature(module, example):
+            bound = inspect.signature(module.forward).bind(*example.args, **example.kwargs)
+            dynamic = {name: _dynamic(value) for name, value in bound.arguments.items()}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = torch.export.export(module, tuple(example.args),
+                                              dict(example.kwargs), dynamic_shapes=dynamic,
+                                              strict=False)
     except Exception as error:  # noqa: BLE001 - every tracing failure gets the same advice
         raise TraceError(
             f"torch.export could not trace {type(module).__name__}: {type(error).__name__}: "
@@ -87,6 +115,51 @@ def trace(module: nn.Module, example: Call) -> fx.GraphModule:
             f"use_cache=False to a Hugging Face model), or split the model by hand into an "
             f"nn.Sequential") from error
     return program.module()
+
+
+@contextlib.contextmanager
+def _explicit_signature(module: nn.Module, example: Call) -> Iterator[None]:
+    """While tracing, a forward that takes keyword inputs through ``**kwargs`` (a
+    ``PeftModel``'s ``forward(*args, **kwargs)``, a model's extra inputs) shows them as
+    parameters of their own: ``torch.export`` pairs the dynamic shapes of keyword inputs with
+    the signature's parameters and cannot pair those a ``**kwargs`` collects. The module is
+    the same object (its submodules' names unchanged); only its signature is spelled out."""
+    signature = inspect.signature(module.forward)
+    params = list(signature.parameters.values())
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    extra = [name for name in example.kwargs if name not in named]
+    if not extra or not any(p.kind is p.VAR_KEYWORD for p in params):
+        yield
+        return
+    forward, own = module.forward, module.__dict__.get("forward")
+    spelled = [p for p in params if p.kind is not p.VAR_KEYWORD] + [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in extra]
+
+    def explicit(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    explicit.__signature__ = signature.replace(parameters=spelled)  # type: ignore[attr-defined]
+    module.forward = explicit  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own  # type: ignore[method-assign]
+
+
+class RetraceWarning(UserWarning):
+    """A traced model met inputs its graph does not hold for (a size ``torch.export``
+    specialised) and is traced again for their shape."""
+
+
+def _check_guards(gm: fx.GraphModule, leaves: List[Any]) -> None:
+    """Run an exported module's input guards on ``leaves`` (its flattened inputs): an
+    ``AssertionError`` naming the guard when one fails."""
+    guards = getattr(gm, "_guards_fn", None)
+    if guards is not None:
+        guards(*leaves)
 
 
 # How long a stage waits for another thread tracing the module it needs (tracing a very large
@@ -105,7 +178,9 @@ class _Source:
         self.grad = torch.is_grad_enabled()
         self.layout = materialise.tensor_layout(module)
         self.lock = threading.RLock()
-        self.traces: Dict[bool, Traced] = {}
+        self.calls: List[Call] = [call]  # the inputs each variant (input shape) is traced on
+        self.traces: Dict[Tuple[bool, int], Traced] = {}
+        self.current: Dict[bool, int] = {}  # per mode, the variant the latest inputs picked
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "_Source":
         return self  # a copied stage traces the same module (and reads its own tensors)
@@ -122,18 +197,51 @@ class _Source:
         finally:
             self.lock.release()
 
-    def traced(self, training: bool) -> Traced:
-        """The module traced in ``training`` mode, as it was when first traced: on meta twins of
-        its tensors if they have moved or changed dtype since (stages placed on devices, a
-        meta model materialised in part)."""
+    def traced(self, training: bool, variant: int = 0) -> Traced:
+        """The module traced in ``training`` mode on the inputs of ``variant``, as it was when
+        first traced: on meta twins of its tensors if they have moved or changed dtype since
+        (stages placed on devices, a meta model materialised in part)."""
         with self.locked(f"the {'train' if training else 'eval'} trace"):
-            if training not in self.traces:
+            if (training, variant) not in self.traces:
                 moved = materialise.tensor_layout(self.module) != self.layout
                 with self._as_when_split(), (materialise.meta_twins(self.module, self.layout)
                                              if moved else contextlib.nullcontext()):
-                    self.traces[training] = trace_mode(self.module, self.call, self.points,
-                                                       training)
-            return self.traces[training]
+                    self.traces[training, variant] = trace_mode(
+                        self.module, self.calls[variant], self.points, training)
+            return self.traces[training, variant]
+
+    def variants(self) -> int:
+        """How many input shapes the module is traced for."""
+        return len(self.calls)
+
+    def variant_for(self, training: bool, leaves: List[Any], spec: Any) -> int:
+        """The variant whose ``training``-mode trace accepts the inputs ``leaves`` (its
+        guards: the sizes ``torch.export`` specialised), the one picked last tried first; when
+        none does, a new variant traced on these inputs (one warning per module). The choice
+        is kept in :attr:`current`, for the later stages."""
+        with self.locked("the choice of a trace for the inputs' shapes"):
+            picked = self.current.get(training, 0)
+            refused: Optional[AssertionError] = None
+            for variant in [picked] + [v for v in range(len(self.calls)) if v != picked]:
+                try:  # the other mode's trace, if made, refuses without a trace of this one
+                    for mode in (not training, training):
+                        if mode == training or (mode, variant) in self.traces:
+                            _check_guards(self.traced(mode, variant).gm, leaves)
+                except AssertionError as error:
+                    refused = refused or error
+                    continue
+                self.current[training] = variant
+                return variant
+            self.calls.append(as_call(Call(*pytree.tree_unflatten(leaves, spec))))
+            variant = len(self.calls) - 1
+            if variant == 1:
+                warnings.warn(RetraceWarning(
+                    f"{type(self.module).__name__} was traced for inputs of another shape and "
+                    f"its graph holds for that shape only ({refused}); tracing it again for "
+                    f"these inputs (each new shape is traced once and kept)"), stacklevel=2)
+            self.traced(training, variant)
+            self.current[training] = variant
+            return variant
 
     @contextlib.contextmanager
     def _as_when_split(self) -> Iterator[None]:
@@ -151,6 +259,7 @@ def trace_mode(module: nn.Module, call: Call, points: Sequence[str], training: b
     """``module`` traced in ``training`` mode (every submodule's own mode restored after) and
     planned at ``points``."""
     modes = [(m, m.training) for m in module.modules()]
+    fixed = _FIXED_SIZES.set(True)  # an image's sizes, as met (see FIXED_SIZES_FROM)
     try:
         module.train(training)
         gm = trace(module, call)
@@ -158,6 +267,7 @@ def trace_mode(module: nn.Module, call: Call, points: Sequence[str], training: b
         raise TraceError(f"{error} (tracing it in {'train' if training else 'eval'} "
                          f"mode)") from error.__cause__
     finally:
+        _FIXED_SIZES.reset(fixed)
         for m, mode in modes:
             m.training = mode
     return Traced(gm, *plan(gm, points))
@@ -184,6 +294,7 @@ def split(module: nn.Module, split_points: SplitPoints, example: Any,
         points = check_split_points(module, split_points)
     source = _Source(module, as_call(example), points)
     traced = trace_mode(module, source.call, points, True)
+    source.traces[True, 0] = traced
     in_specs = {True: traced.gm._in_spec}
     out_specs = {True: traced.gm._out_spec}
     count = len(points) + 1
@@ -244,16 +355,17 @@ def stages_of(module: nn.Module, split_points: Any, example_inputs: Any,
     return parts
 
 
-def prepare(modules: Iterable[Optional[nn.Module]]) -> None:
+def prepare(modules: Iterable[Optional[nn.Module]], inputs: Any = None) -> None:
     """Before a step: the traced stages among ``modules`` (or their children) trace the graph of
-    the mode they run in, if not yet traced, so that no graph is traced inside the step (where
-    other stages and processes would wait for it)."""
+    the mode they run in, if not yet traced, and given the step's ``inputs`` the graph of
+    their shape (the module traced again for a shape its trace does not hold for), so that no
+    graph is traced inside the step (where other stages and processes would wait for it)."""
     for module in modules:
         if module is None:
             continue
         for part in (module, *module.children()):
             if isinstance(part, GraphStage):
-                part.prepare()
+                part.prepare(inputs)
 
 
 def local_view(module: nn.Module, kept: nn.Module) -> nn.Module:

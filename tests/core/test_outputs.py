@@ -250,12 +250,10 @@ def test_a_causal_lms_loss_is_summed_when_num_items_in_batch_is_given():
 
 
 @hf
-@pytest.mark.xfail(raises=fastpipe.tracing.TraceError, strict=True,
-                   reason="torch.export (2.13) refuses dict dynamic_shapes for a model whose "
-                          "example inputs reach its **kwargs (num_items_in_batch): tracing's")
 def test_num_items_in_batch_makes_the_micro_batch_losses_add_up():
     """Given ``num_items_in_batch``, a causal LM divides its summed loss by it: the pipe adds the
-    micro-batch losses (a sum rule), on a trace that takes the count as an input."""
+    micro-batch losses (a sum rule), on a trace that takes the count as an input (it reaches
+    the model through its ``**kwargs``, which the trace spells out as parameters)."""
     inputs = batch("gpt2")
     inputs["num_items_in_batch"] = (inputs["labels"][:, 1:] != -100).sum()
     pipe = fastpipe.Pipe(build("gpt2"), chunks=3, devices=["cpu"] * 2,
