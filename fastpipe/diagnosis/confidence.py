@@ -25,32 +25,56 @@ MEDIUM = 1.5
 _LEVELS = ("low", "medium", "high")
 
 
+LAYOUT_KINDS = frozenset({"imbalance", "chunks", "schedule"})
+"""Advice re-simulated from the stages' measured costs: it must also clear the stages' noise."""
+
+
 @dataclass(frozen=True)
 class Noise:
-    """The step-time spread over ``steps`` traced steps (seconds; ``None`` when unknown)."""
+    """The step-time spread over ``steps`` traced steps (seconds; ``None`` when unknown) and
+    the stages' own: the largest spread, over the steps, of one stage's compute time
+    (``stage_spread``; on a ``DistributedPipe`` each stage is a rank, so this is the noise
+    from rank to rank that a re-simulated gain is built on)."""
 
     steps: int
     spread: Optional[float]
+    stage_spread: Optional[float] = None
 
     @classmethod
-    def of(cls, step_times: Sequence[float]) -> Noise:
-        """The noise of these step times (unknown for fewer than two)."""
+    def of(cls, step_times: Sequence[float],
+           stage_times: Optional[Sequence[Sequence[float]]] = None) -> Noise:
+        """The noise of these step times (unknown for fewer than two) and of each stage's
+        compute time per step (``stage_times[step][stage]``)."""
         times = list(step_times)
-        return cls(len(times), statistics.stdev(times) if len(times) > 1 else None)
+        spread = statistics.stdev(times) if len(times) > 1 else None
+        stages = None
+        if stage_times is not None and len(stage_times) > 1:
+            stages = max(statistics.stdev(column) for column in zip(*stage_times))
+        return cls(len(times), spread, stages)
 
     def describe(self) -> str:
-        """``'5 steps, step-time spread 4.1 ms'`` or ``'1 step: noise unknown'``."""
+        """``'5 steps, step-time spread 4.1 ms, stage spread 2 ms'`` or ``'1 step: noise
+        unknown'``."""
         if self.spread is None:
             return f"{self.steps} step{'s' if self.steps != 1 else ''}: noise unknown"
-        return f"{self.steps} steps, step-time spread {self.spread * 1e3:.3g} ms"
+        stages = ("" if self.stage_spread is None
+                  else f", stage spread {self.stage_spread * 1e3:.3g} ms")
+        return f"{self.steps} steps, step-time spread {self.spread * 1e3:.3g} ms{stages}"
 
-    def confidence(self, gain: float, agreeing: int, total: int) -> Optional[Tuple[str, str]]:
-        """(label, evidence) for a change with median predicted ``gain`` proposed by
-        ``agreeing`` of ``total`` steps; ``None`` when the gain does not exceed the noise."""
+    def confidence(self, gain: float, agreeing: int, total: int,
+                   kind: Optional[str] = None) -> Optional[Tuple[str, str]]:
+        """(label, evidence) for a change of ``kind`` with median predicted ``gain`` proposed
+        by ``agreeing`` of ``total`` steps; ``None`` when the gain does not exceed the noise
+        (for advice re-simulated from stage costs, the larger of the step and stage
+        spreads)."""
         if self.spread is None:
             return "low", ("noise unknown: one step traced (trace five or more steps inside "
                            "pipe.trace() to weigh the advice)")
-        ratio = gain / self.spread if self.spread > 0 else float("inf")
+        noise, what = self.spread, "step-time spread"
+        if kind in LAYOUT_KINDS and self.stage_spread is not None \
+                and self.stage_spread > noise:
+            noise, what = self.stage_spread, "stage spread"
+        ratio = gain / noise if noise > 0 else float("inf")
         if ratio <= 1.0:
             return None
         level = 2 if ratio >= HIGH else 1 if ratio >= MEDIUM else 0
@@ -60,7 +84,7 @@ class Noise:
             level = min(level, 1)
         label = _LEVELS[max(0, level)]
         shown = "no spread" if ratio == float("inf") else f"{ratio:.1f}x the spread"
-        return label, (f"gain {gain * 1e3:.3g} ms vs step-time spread {self.spread * 1e3:.3g} ms "
+        return label, (f"gain {gain * 1e3:.3g} ms vs {what} {noise * 1e3:.3g} ms "
                        f"over {total} steps ({shown}); {agreeing} of {total} steps propose it")
 
 
@@ -87,7 +111,7 @@ def _weigh_kind(kind: str, per_step: Sequence[Sequence[Finding]],
             return None
         return replace(typical, confidence=_LEVELS[2 if agreeing == len(found) else 1],
                        evidence=f"reported by {agreeing} of {len(found)} steps")
-    verdict = noise.confidence(gain, agreeing, len(found))
+    verdict = noise.confidence(gain, agreeing, len(found), kind)
     if verdict is None or gain <= 0:
         return None
     return replace(typical, gain=gain, confidence=verdict[0], evidence=verdict[1])

@@ -1,7 +1,10 @@
 """Stages that share the hardware they need: the bottleneck no balance can fix.
 
 A stage overlaps its neighbours only on hardware of its own: a worker thread per CPU stage, a
-core per such thread (other processes' load takes cores away), a GPU per stage. Where stages
+core per such thread, a GPU per stage. Whether a CPU stage had its core is measured on its
+thread (the CPU time it got over the wall time of its actions, ``StepContext.cpu_busy``, on
+every rank of a ``DistributedPipe`` too); a trace without that falls back on the load
+average, a one-minute figure that lags the machine. Where stages
 share one, they run one at a time: moving layers between them moves time from one to the other,
 not off the step, so balance advice is withheld for them. Where the CPU stages' intra-op threads
 outnumber the cores, balance advice stands but is qualified. Read from the hardware facts a
@@ -11,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..schedule.trace_file import StepContext
 from .findings import Finding
@@ -19,7 +22,12 @@ from .findings import Finding
 __all__ = ["BUSY_CORE", "Sharing", "apply", "check"]
 
 BUSY_CORE = 0.5
-"""Load from other processes, in cores, above which the CPU stages are taken to lose a core."""
+"""Load from other processes, in cores, above which the CPU stages are taken to lose a core
+(read only for a trace that did not measure its stages' CPU time)."""
+
+CONTENDED = 0.8
+"""A CPU stage whose thread got less than this share of a core during its actions (CPU time
+over wall time, measured on the thread) shared its core with other work."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,12 @@ def _shared_gpus(devices: Optional[Sequence[str]], num_stages: int) -> Optional[
 
 
 def _cpu_cores(context: StepContext, num_stages: int) -> Optional[Sharing]:
-    """CPU worker threads against the cores left to them; intra-op threads against cores."""
+    """The CPU stages' contention: measured on their threads when the trace has it, else
+    worker threads against the cores the load average leaves them; intra-op threads
+    against cores."""
+    measured = _measured(context, num_stages)
+    if measured is not None:
+        return measured or None
     cpu = _cpu_stages(context, num_stages)
     if not cpu or context.cores is None:
         return None
@@ -114,6 +127,26 @@ def _cpu_cores(context: StepContext, num_stages: int) -> Optional[Sharing]:
         f"threads = {threads} threads on {context.cores} cores{load}", 0.0,
         f"torch.set_num_threads({max(1, context.cores // workers)}) gives each stage its own "
         f"cores; gains predicted here assume it", stage=cpu[0]), ())
+
+
+def _measured(context: StepContext, num_stages: int) -> Optional[Union[Sharing, bool]]:
+    """The stages whose threads got less than :data:`CONTENDED` of a core during their
+    actions; ``False`` when every stage had its core, ``None`` when not measured (or with
+    several intra-op threads, whose work the stage's own thread time does not see)."""
+    busy = context.cpu_busy
+    if busy is None or len(busy) != num_stages or (context.intra_op_threads or 1) > 1:
+        return None
+    short = [s for s, share in enumerate(busy) if share < CONTENDED]
+    if not short:
+        return False
+    shares = ", ".join(f"stage {s} {busy[s]:.0%}" for s in short)
+    return Sharing(Finding(
+        "hardware", f"the CPU stages lacked cores: their threads got {shares} of a core "
+        f"during their actions (CPU time over wall time, measured on each thread), so other "
+        f"work ran in their place", 0.0,
+        "give each CPU stage a core of its own (a quieter machine, fewer stages or ranks, "
+        "cpu_workers=...); balance advice for these stages is withheld until then",
+        stage=short[0]), tuple(short))
 
 
 def _cpu_stages(context: StepContext, num_stages: int) -> List[int]:

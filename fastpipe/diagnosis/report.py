@@ -142,10 +142,12 @@ def _recorded_memory(memory: Union[Memory, Sequence[float], None],
 
 
 def _noise(splits: Sequence[Split], context: StepContext) -> Noise:
-    """The steps' spread: of the steps diagnosed, else of those a trace file lists."""
+    """The steps' spread (of the steps diagnosed, else of those a trace file lists) and the
+    spread of each stage's compute time over the steps diagnosed."""
     if len(splits) == 1 and context.step_times is not None and len(context.step_times) > 1:
         return Noise.of(context.step_times)
-    return Noise.of([split.step_time for split in splits])
+    stages = [[row["compute"] for row in split.seconds] for split in splits]
+    return Noise.of([split.step_time for split in splits], stages)
 
 
 def _unpack(value: Any, step: Optional[int]) -> List[Tuple[Timeline, StepContext]]:

@@ -4,7 +4,8 @@ Costs here describe a *physical stage*: ``forward``, ``backward``, ``weight`` an
 ``activation`` are what one stage's whole slice of the model costs per
 micro-batch (a number, or one per physical stage). A schedule with ``v`` chunks
 per stage splits that slice evenly, so each chunk costs the stage cost divided
-by ``v``; ``p2p`` is a per-hop latency and is not divided. This keeps schedules
+by ``v`` (so do its gradient ``reduction`` and ``optimizer`` step); ``p2p`` and ``send`` are
+per hop and are not divided. This keeps schedules
 with different ``v`` comparable: they do the same total work.
 """
 
@@ -21,7 +22,7 @@ from .simulator import Costs, simulate
 __all__ = ["Recommendation", "recommend", "make_schedule", "per_chunk_costs"]
 
 
-_SPLIT_FIELDS = ("forward", "backward", "weight", "activation")
+_SPLIT_FIELDS = ("forward", "backward", "weight", "activation", "reduction", "optimizer")
 
 
 @dataclass(frozen=True)

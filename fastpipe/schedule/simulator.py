@@ -11,7 +11,19 @@ validates also simulates.
 Costs are per virtual stage (chunk). When the schedule has a ``W`` for a
 (virtual stage, micro-batch), its ``B`` costs ``backward`` (input gradient) and
 the ``W`` costs ``weight``; otherwise ``B`` is the full backward and costs
-``backward + weight``.
+``backward + weight``. Work that differs between chunks (the embedding on the
+first, the head and loss on the last) is a per-chunk cost like any other.
+
+Per-step costs, beyond the actions (all 0 by default, and then the step is the
+makespan): ``send`` keeps a stage busy after each action whose result goes to
+another physical stage (a blocking send, so every chunk boundary a schedule
+crosses costs its sender this much); ``reduction`` is a chunk's gradient
+reduction, which starts when the chunk's last backward action ends (or up to
+``reduction_lead`` earlier: gradients reduced bucket by bucket as that action
+produces them, the reduction then ending no earlier than the action) and runs
+on its stage's one communication channel, overlapping the stage's later compute;
+``optimizer`` is a chunk's optimizer step, run once the stage's compute and
+reductions are done. :attr:`SimulationResult.step_time` covers all of them.
 
 The start times are the longest paths of a DAG, computed in one pass driven by
 completions: a stage advances until its next action waits for an unfinished
@@ -51,8 +63,13 @@ class Costs:
     of ``B``, and of the weight-gradient part (``W``, or folded into ``B``).
     ``p2p``: latency added when a dependency ran on another physical stage
     (indexed by the producing virtual stage). ``activation``: memory held per
-    (chunk, micro-batch) in flight. Each is a number or a sequence with one
-    entry per virtual stage.
+    (chunk, micro-batch) in flight. ``send``: time the producing stage stays busy
+    sending an action's result to another physical stage; ``reduction``: the
+    chunk's gradient reduction after its last backward; ``optimizer``: the
+    chunk's optimizer step at the end of the step; ``reduction_lead``: how long
+    before its last backward action ends a chunk's reduction may start (see the
+    module docstring). Each is a number or a sequence with one entry per virtual
+    stage.
     """
 
     forward: Cost = 1.0
@@ -60,6 +77,10 @@ class Costs:
     weight: Cost = 1.0
     p2p: Cost = 0.0
     activation: Cost = 1.0
+    send: Cost = 0.0
+    reduction: Cost = 0.0
+    optimizer: Cost = 0.0
+    reduction_lead: Cost = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -117,17 +138,28 @@ def _number(name: str, value: object) -> float:
 @dataclass(frozen=True)
 class SimulationResult:
     """A simulated run: its :class:`Timeline` plus the per-stage peak activation memory
-    (``Costs.activation`` summed over the (chunk, micro-batch) pairs in flight)."""
+    (``Costs.activation`` summed over the (chunk, micro-batch) pairs in flight) and, per
+    stage, when its step ends (``stage_end``: its actions, its gradient reductions and its
+    optimizer step; empty when every per-step cost is 0)."""
 
     schedule: ScheduleData
     costs: Costs
     timeline: Timeline
     peak_memory: tuple[float, ...]
+    stage_end: tuple[float, ...] = ()
 
     @property
     def makespan(self) -> float:
         """Simulated time from the first start to the last end."""
         return self.timeline.makespan
+
+    @property
+    def step_time(self) -> float:
+        """The whole step: the makespan, plus the reductions and optimizer steps that end
+        after the last action (equal to :attr:`makespan` without per-step costs)."""
+        if not self.stage_end:
+            return self.makespan
+        return max(self.makespan, max(self.stage_end) - self.timeline.start)
 
     @property
     def bubble_fraction(self) -> float:
@@ -158,8 +190,8 @@ def simulate(schedule: ScheduleData, costs: Costs | None = None,
     with gc_paused():
         timeline = Timeline(schedule.num_stages, _events(schedule, costs), "simulated", "units")
         memory = _peak_memory(schedule, activation, timeline)
-    return SimulationResult(schedule, costs, timeline, memory)
-
+        ends = _stage_ends(schedule, costs, timeline)
+    return SimulationResult(schedule, costs, timeline, memory, ends)
 
 
 def _events(schedule: ScheduleData, costs: Costs) -> tuple[Event, ...]:
@@ -170,6 +202,34 @@ def _events(schedule: ScheduleData, costs: Costs) -> tuple[Event, ...]:
     return tuple(map(_event, graph.stage_of, graph.actions, starts, ends))
 
 
+def _stage_ends(schedule: ScheduleData, costs: Costs, timeline: Timeline) -> tuple[float, ...]:
+    """Per stage, when its step ends: each chunk's reduction starts when the chunk's last
+    backward action ends (less its ``reduction_lead``, but not before that action starts),
+    one at a time on the stage's channel; the stage's step ends after its last action and
+    its last reduction, then the optimizer steps. Empty when there is neither reduction nor
+    optimizer cost."""
+    n = schedule.num_virtual_stages
+    reduction, optimizer, lead = (costs.per_virtual_stage(name, n) for name in
+                                  ("reduction", "optimizer", "reduction_lead"))
+    if not any(reduction) and not any(optimizer):
+        return ()
+    last: dict[int, Event] = {}
+    where = schedule.placement
+    for event in timeline.events:
+        if event.action.kind is not F:
+            vs = where[event.stage][event.action.chunk]
+            if vs not in last or event.end > last[vs].end:
+                last[vs] = event
+    ends = []
+    for stage, lane in enumerate(timeline.by_stage()):
+        done = lane[-1].end if lane else timeline.start
+        channel = timeline.start
+        for vs in sorted(where[stage], key=lambda v: last[v].end if v in last else done):
+            final = last.get(vs)
+            ready = done if final is None else max(final.start, final.end - lead[vs])
+            channel = max(channel, ready) + reduction[vs]
+        ends.append(max(done, channel) + sum(optimizer[vs] for vs in where[stage]))
+    return tuple(ends)
 
 
 def _event(stage: int, action: Action, start: float, end: float) -> Event:
@@ -317,10 +377,12 @@ def _numbers(
 def _cost_arrays(
     schedule: ScheduleData, costs: Costs, graph: _Graph
 ) -> tuple[list[float], list[float]]:
-    """Per action: its duration, and the latency of sending its result to another stage."""
+    """Per action: its duration (a blocking send to another stage included), and the latency
+    of sending its result to another stage."""
     n = schedule.num_virtual_stages
-    forward, backward, weight, p2p = (
-        costs.per_virtual_stage(name, n) for name in ("forward", "backward", "weight", "p2p")
+    forward, backward, weight, p2p, send = (
+        costs.per_virtual_stage(name, n)
+        for name in ("forward", "backward", "weight", "p2p", "send")
     )
     split = {group[::2]: mbs for group, mbs in schedule.actions_by_group.items() if group[1] is W}
     where = schedule.placement
@@ -336,7 +398,17 @@ def _cost_arrays(
         else:
             durations.append(backward[vs] + weight[vs])
         latencies.append(p2p[vs])
+    if any(send):
+        for i in _sent(graph):
+            durations[i] += send[where[graph.stage_of[i]][graph.actions[i].chunk]]
     return durations, latencies
+
+
+def _sent(graph: _Graph) -> set[int]:
+    """The actions whose result another physical stage depends on (each sent once)."""
+    stage_of, missing = graph.stage_of, len(graph.actions)
+    return {d for i, deps in enumerate(graph.deps) for d in deps
+            if d != missing and stage_of[d] != stage_of[i]}
 
 
 def _run(

@@ -47,7 +47,8 @@ class StepContext:
     ``load`` (the machine's one-minute load average at the step). ``layer_costs``: a per-layer
     cost profile in model order (any unit), to split a stage's measured time over its layers.
     ``step_times``: the seconds of every training step traced in the same block (their spread
-    is the measurement's noise).
+    is the measurement's noise). ``cpu_busy``: per CPU stage, the CPU time its thread got over
+    the wall time of its actions (about 1: a core of its own; 0.5: half of one).
     Unknown fields are ``None``; the doctor then skips the advice that needs them.
     """
 
@@ -70,6 +71,7 @@ class StepContext:
     load: Optional[float] = None
     layer_costs: Optional[Tuple[float, ...]] = None
     step_times: Optional[Tuple[float, ...]] = None
+    cpu_busy: Optional[Tuple[float, ...]] = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``None`` fields left out)."""
@@ -81,7 +83,8 @@ class StepContext:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         for key, kind in (("balance", int), ("memory_peak", float), ("memory_limit", float),
-                          ("devices", str), ("layer_costs", float), ("step_times", float)):
+                          ("devices", str), ("layer_costs", float), ("step_times", float),
+                          ("cpu_busy", float)):
             if values.get(key) is not None:
                 values[key] = tuple(kind(x) for x in values[key])
         for key in ("placement", "threads"):

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from fastpipe.diagnosis.confidence import Noise
+from fastpipe.diagnosis.confidence import Noise, weigh
 from fastpipe.diagnosis.findings import Memory
 from fastpipe.diagnosis.report import doctor
 from fastpipe.runtime.observe.trace import Trace
@@ -132,16 +132,34 @@ def test_one_step_says_the_noise_is_unknown_and_lowers_the_confidence():
     assert "low confidence" in diagnosis.report()
 
 
-def test_steps_proposing_different_balances_lower_the_confidence():
+def _slow_stage_moves():
+    """Five steps of three stages; the slow one is stage 1 in three steps, stage 2 in two."""
     trace = Trace()
     for index, slow in enumerate((1, 1, 1, 2, 2)):
         stages = [2 * MS, 2 * MS, 2 * MS]
         stages[slow] = 6 * MS
         trace.timelines.append(step(stages, chunks=8))
         trace.contexts[index] = StepContext(balance=(2, 2, 2), samples=64)
-    finding = doctor(trace).finding("imbalance")
-    assert finding is not None and "3 of 5 steps propose it" in finding.evidence
+    return trace
+
+
+def test_steps_proposing_different_balances_lower_the_confidence():
+    """Weighed on the step-time spread alone (the stages' own spread unknown), the balance
+    that three of five steps propose keeps its gain but not a high confidence."""
+    per_step = [doctor(_slow_stage_moves(), step=i).findings for i in range(5)]
+    finding = next(f for f in weigh(per_step, Noise(5, 1 * MS)) if f.kind == "imbalance")
+    assert "3 of 5 steps propose it" in finding.evidence
     assert finding.confidence != "high"
+
+
+def test_stage_costs_that_jump_between_steps_withhold_the_balance_advice():
+    """The slow stage moves from step to step: each stage's compute time varies by far more
+    than the gain a new balance promises, so no balance is advised, whatever the step
+    spread (here about none)."""
+    diagnosis = doctor(_slow_stage_moves())
+    assert diagnosis.noise.stage_spread > 10 * diagnosis.noise.spread
+    assert diagnosis.finding("imbalance") is None
+    assert "stage spread" in diagnosis.report()
 
 
 def test_a_single_step_can_be_chosen_and_a_bad_step_is_refused():
@@ -185,6 +203,36 @@ def test_cpu_stages_without_free_cores_are_the_bottleneck_and_get_no_balance_adv
     assert "load average 4.0" in found.message and busy.finding("imbalance") is None
     one_core = hardware(slow_layer_trace(QUIET), devices=("cpu", "cpu"), cores=1, load=0.0)
     assert one_core.finding("hardware") is not None and one_core.finding("imbalance") is None
+
+
+def test_contention_measured_on_the_threads_overrides_a_stale_load_average():
+    """Each stage's thread got its core during its actions (CPU time over wall time 0.97):
+    the balance advice stands even though the one-minute load average reads 4.4 on 2 cores
+    (other jobs that just ended); a stage whose thread got half a core withholds it, even
+    on a load average of 0 -- for a DistributedPipe too, which records no devices."""
+    had = hardware(slow_layer_trace(QUIET), devices=("cpu", "cpu"), threads=((0,), (1,)),
+                   cores=2, load=4.4, intra_op_threads=1, cpu_busy=(0.97, 0.98))
+    assert had.finding("hardware") is None and had.finding("imbalance").balance == (6, 2)
+    short = hardware(slow_layer_trace(QUIET), cores=2, load=0.0, intra_op_threads=1,
+                     cpu_busy=(0.97, 0.5))
+    found = short.finding("hardware")
+    assert found is not None and "stage 1 50% of a core" in found.message
+    assert short.finding("imbalance") is None
+
+
+def test_the_threads_own_time_is_not_read_with_several_intra_op_threads():
+    """With several intra-op threads a stage's work runs on threads it does not time: the
+    doctor falls back on the load average."""
+    diagnosis = hardware(slow_layer_trace(QUIET), devices=("cpu", "cpu"), threads=((0,), (1,)),
+                         cores=2, load=4.0, intra_op_threads=2, cpu_busy=(0.4, 0.4))
+    assert "load average 4.0" in diagnosis.finding("hardware").message
+
+
+def test_stable_stage_costs_keep_the_balance_advice_and_report_their_spread():
+    diagnosis = doctor(slow_layer_trace(QUIET), layer_costs=SLOW_LAYER)
+    assert diagnosis.noise.stage_spread is not None
+    assert diagnosis.finding("imbalance").balance == (6, 2)
+    assert "stage spread" in diagnosis.noise.describe()
 
 
 def test_cores_to_spare_give_no_hardware_finding():

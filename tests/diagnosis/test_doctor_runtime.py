@@ -147,6 +147,16 @@ def test_a_traced_step_records_the_hardware():
     context = t.contexts[0]
     assert context.devices == ("cpu", "cpu") and context.cores >= 1
     assert context.intra_op_threads == torch.get_num_threads() and context.load >= 0
+    # each stage's thread: CPU time over the wall time of its actions
+    assert len(context.cpu_busy) == 2 and all(0.0 <= share <= 1.0 for share in context.cpu_busy)
+
+
+def test_a_stage_that_sleeps_got_little_of_a_core():
+    """A sleeping layer holds no core: its stage's CPU time over wall time is far below 1."""
+    pipe = sleepy_pipe(unit=0.01)
+    with pipe.trace() as t:
+        pipe.train_step(*batch(), mse)
+    assert max(t.contexts[0].cpu_busy) < 0.5
 
 
 def test_a_balanced_well_sized_real_pipe_gets_no_layout_advice():
@@ -234,6 +244,9 @@ def test_a_distributed_trace_is_diagnosed_by_the_command_line(tmp_path, capsys):
     assert _cli(path) == 0
     out = capsys.readouterr().out
     assert "input-bound" in out and "2 stages, 4 micro-batches" in out
+    from fastpipe.schedule.trace_file import load_trace
+    busy = load_trace(path)[1].cpu_busy  # every rank's stage, gathered with the timeline
+    assert busy is not None and len(busy) == 2 and all(0.0 <= b <= 1.0 for b in busy)
 
 
 @pytest.mark.cuda

@@ -311,3 +311,90 @@ def test_zbv_bubble_is_near_zero(p, m):
 def test_64_stages_512_microbatches(name):
     result = get_schedule(name, 64, 512).simulate(weight=0.0)
     assert result.bubble_fraction == pytest.approx(63 / (512 + 63))
+
+
+# -- per-step costs: blocking sends, gradient reductions, the optimizer ----------------------
+
+
+def _remote_consumers(schedule):
+    """The actions another physical stage depends on, read from the dependency relation."""
+    return {d for row in schedule.actions for a in row for d in schedule.dependencies(a)
+            if d.stage != a.stage}
+
+
+def test_without_per_step_costs_the_step_is_the_makespan():
+    result = get_schedule("1f1b", 4, 8).simulate(Costs(1, 2, 0))
+    assert result.stage_end == () and result.step_time == result.makespan
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 2), ("zbv", 2)])
+def test_a_blocking_send_lengthens_exactly_the_actions_another_stage_waits_for(name, v):
+    schedule = registered(name, 4, 8, v)
+    plain = times(schedule.simulate(Costs(1, 1, 1)))
+    sending = schedule.simulate(Costs(1, 1, 1, send=0.25))
+    sent = {str(a) for a in _remote_consumers(schedule)}
+    assert sent
+    for event in sending.timeline.events:
+        base = plain[str(event.action)][1] - plain[str(event.action)][0]
+        extra = 0.25 if str(event.action) in sent else 0.0
+        assert event.duration == pytest.approx(base + extra)
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_one_microbatch_pays_each_send_once_each_way(p):
+    """One micro-batch crosses ``p-1`` boundaries forward and ``p-1`` back, each a blocking
+    send of ``s``: ``p(f+b) + 2(p-1)s``."""
+    result = get_schedule("1f1b", p, 1).simulate(Costs(1.0, 2.0, 0.0, send=0.5))
+    assert result.makespan == pytest.approx(p * 3.0 + 2 * (p - 1) * 0.5)
+
+
+def _last_backward_end(result, vs):
+    where = result.schedule.placement
+    return max(e.end for e in result.timeline.events if e.action.kind is not F
+               and where[e.stage][e.action.chunk] == vs)
+
+
+def test_a_reduction_starts_when_its_chunks_last_backward_ends():
+    """1F1B on 2 stages: each stage's reduction ``r`` follows its own last backward, so the
+    last stage's overlaps the first stage's drain; the optimizer ``o`` comes after both."""
+    r, o = 1.5, 0.25
+    result = get_schedule("1f1b", 2, 4).simulate(Costs(1, 1, 0, reduction=r, optimizer=o))
+    plain = get_schedule("1f1b", 2, 4).simulate(Costs(1, 1, 0))
+    assert result.makespan == plain.makespan  # reductions never delay an action
+    for stage in (0, 1):
+        done = max(e.end for e in result.timeline.by_stage()[stage])
+        assert result.stage_end[stage] == pytest.approx(
+            max(done, _last_backward_end(result, stage) + r) + o)
+    assert result.step_time == pytest.approx(max(result.stage_end))
+    assert result.stage_end[1] < result.stage_end[0]
+
+
+def test_a_stages_reductions_take_turns_on_its_channel():
+    """Interleaved, 2 chunks per stage: stage 0 holds virtual stages 0 and 2; the later
+    chunk's gradients are final first, and the other's reduction waits for it to finish."""
+    schedule = registered("interleaved", 2, 4, 2)
+    r = 3.0
+    result = schedule.simulate(Costs(1, 1, 0, reduction=r))
+    first = min(_last_backward_end(result, 0), _last_backward_end(result, 2))
+    second = max(_last_backward_end(result, 0), _last_backward_end(result, 2))
+    assert result.stage_end[0] == pytest.approx(max(first + r, second) + r)
+
+
+def test_a_reduction_lead_starts_it_during_the_last_backward():
+    """Bucketed reduction: it may start ``lead`` before its last backward ends (not before
+    that action starts) and ends no earlier than that action."""
+    schedule = get_schedule("1f1b", 2, 2)
+    for lead, r in ((0.5, 1.0), (5.0, 1.0), (5.0, 0.25)):
+        result = schedule.simulate(Costs(1, 2, 0, reduction=r, reduction_lead=lead))
+        last = max((e for e in result.timeline.by_stage()[0] if e.action.kind is not F),
+                   key=lambda e: e.end)
+        start = max(last.start, last.end - lead)
+        assert result.stage_end[0] == pytest.approx(max(last.end, start + r))
+
+
+def test_recommend_splits_reduction_and_optimizer_over_chunks_but_not_sends():
+    from fastpipe.schedule.recommend import per_chunk_costs
+    schedule = registered("interleaved", 2, 4, 2)
+    chunked = per_chunk_costs(Costs(2, 2, 2, send=1.0, reduction=4.0, optimizer=6.0),
+                              schedule)
+    assert (chunked.reduction, chunked.optimizer, chunked.send) == (2.0, 3.0, 1.0)

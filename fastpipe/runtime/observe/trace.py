@@ -24,18 +24,22 @@ from ...schedule.timeline import Timeline
 
 @dataclass
 class StepRecorder:
-    """Collects (stage, action, start, end) of one step; seconds since the step began."""
+    """Collects (stage, action, start, end) of one step; seconds since the step began. On a
+    CPU stage it also sums, per stage, the CPU time its thread got during its actions and
+    their wall time (``cpu``: stage -> [cpu seconds, wall seconds]): how much of a core the
+    stage had, whatever else ran on the machine."""
 
     num_stages: int
     origin: float = field(default_factory=time.perf_counter)
     intervals: List[Tuple[int, Action, float, float]] = field(default_factory=list)
     pending: List[Tuple[int, Action, Any, Any]] = field(default_factory=list)
     bases: Dict[torch.device, Tuple[Any, float]] = field(default_factory=dict)
+    cpu: Dict[int, List[float]] = field(default_factory=dict)
 
     def begin(self, stage: Any) -> Optional[Any]:
         """Mark the start of an action on ``stage``; returns what ``end`` needs."""
         if stage.stream is None:
-            return time.perf_counter()
+            return time.perf_counter(), time.thread_time()
         self._base(stage.device)
         event = torch.cuda.Event(enable_timing=True)
         event.record(stage.stream)
@@ -44,8 +48,12 @@ class StepRecorder:
     def end(self, stage: Any, action: Action, token: Any) -> None:
         """Mark the end of ``action`` started with ``token``."""
         if stage.stream is None:
-            self.intervals.append((action.stage, action, token - self.origin,
-                                   time.perf_counter() - self.origin))
+            now, used = time.perf_counter(), time.thread_time() - token[1]
+            self.intervals.append((action.stage, action, token[0] - self.origin,
+                                   now - self.origin))
+            total = self.cpu.setdefault(action.stage, [0.0, 0.0])
+            total[0] += used
+            total[1] += now - token[0]
             return
         event = torch.cuda.Event(enable_timing=True)
         event.record(stage.stream)
