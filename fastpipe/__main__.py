@@ -16,6 +16,11 @@ commands:
             (python -m fastpipe simulate --schedule 1f1b --stages 4 --chunks 8 --costs 1,2,0)
   doctor    where a traced step's time went and what to change
             (python -m fastpipe doctor trace.json; write it with Trace.write in pipe.trace())
+  hf-export a fastpipe.checkpoint directory written in the Hugging Face format
+            (python -m fastpipe hf-export CHECKPOINT OUTPUT --config CONFIG_DIR)
+  plan      rank the layouts of a training run by predicted step time and memory
+            (python -m fastpipe plan --model llama-3-70b --gpus 512 --gpu h100
+             --global-batch 1024 --seq 8192)
 """
 
 
@@ -36,6 +41,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "doctor":
         from .apps.doctor_cli import main as diagnose
         return diagnose(rest)
+    if command == "plan":
+        from .apps.cli_plan import main as plan
+        return plan(rest)
+    if command == "hf-export":
+        from .apps.cli_hf import main as export
+        return export(rest)
     if command == "demo":
         from .apps.demo import main as demo
         demo(rest)

@@ -146,6 +146,7 @@ LAYERS = [
      "fastpipe.tracing", "fastpipe.materialise", "fastpipe.memory", "fastpipe.outputs",
      "fastpipe.model_loss", "fastpipe.hf_losses", "fastpipe.layer_costs", "fastpipe.model_call",
      "fastpipe.split_points", "fastpipe.graph_cut", "fastpipe.graph_stage"),
+    ("fastpipe.planning",),
     ("fastpipe.policies",),
     ("fastpipe.runtime", "fastpipe.skip"),
     ("fastpipe.parallel",),
@@ -154,6 +155,7 @@ LAYERS = [
     ("fastpipe.frontdoor",),
     ("fastpipe.pipe", "fastpipe.distributed", "fastpipe.compat"),
     ("fastpipe.diagnosis", "fastpipe.checkpoint"),
+    ("fastpipe.integrations",),
     ("fastpipe.apps",),
     ("fastpipe", "fastpipe.__main__"),
 ]
